@@ -1,0 +1,121 @@
+"""RMSNorm and LayerNorm: jaxnorm against XLA's fused jnp implementation of the
+same math (same dtypes, float32 statistics), as device kernel time.
+
+Prints a markdown table and writes the same records as JSON:
+  python benchmarks/bench_row_norm.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from devtime import copy_bandwidth_gbps, device_time_us
+
+import jaxnorm
+
+SHAPES = [(16384, 4096), (4096, 8192), (65536, 1024), (8192, 12288), (64, 4096), (1, 4096)]
+
+
+def xla_rms_norm(x, scale, epsilon=1e-6):
+    xf = x.astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + epsilon)
+    return (xf * rstd * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def xla_layer_norm(x, scale, bias, epsilon=1e-5):
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    xc = xf - mean
+    rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + epsilon)
+    y = xc * rstd * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+IMPLS = {
+    "rms_norm": {"jaxnorm": jaxnorm.rms_norm, "xla": xla_rms_norm},
+    "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm},
+}
+
+
+def inputs(op, shape, dtype):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    dy = jnp.asarray(rng.standard_normal(shape), dtype)
+    params = [jnp.asarray(rng.standard_normal(shape[-1]) + 1, dtype)]
+    if op == "layer_norm":
+        params.append(jnp.asarray(rng.standard_normal(shape[-1]), dtype))
+    return x, params, dy
+
+
+def timed(op, impl, pass_, shape, dtype):
+    f = IMPLS[op][impl]
+    x, params, dy = inputs(op, shape, dtype)
+    if pass_ == "fwd":
+        return device_time_us(jax.jit(f), x, *params)
+    # The primal output is unused, as under jax.grad.
+    bwd = jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy))
+    return device_time_us(bwd, x, dy, *params)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--shapes", default=None, help="e.g. 64x256,8x128 (default: the full set)")
+    args = ap.parse_args()
+    dtype = jnp.dtype(args.dtype)
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    device = jax.devices()[0].device_kind
+    copy = copy_bandwidth_gbps()
+    records = []
+    for op in IMPLS:
+        for pass_ in ("fwd", "fwd+bwd"):
+            for shape in shapes:
+                n = shape[0] * shape[1] * dtype.itemsize
+                nbytes = 2 * n if pass_ == "fwd" else 3 * n
+                times = {impl: timed(op, impl, pass_, shape, dtype) for impl in IMPLS[op]}
+                for impl, us in times.items():
+                    records.append(dict(
+                        op=op, **{"pass": pass_}, shape=list(shape), dtype=dtype.name,
+                        impl=impl, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                        vs_xla=round(times["xla"] / us, 3),
+                    ))
+    meta = dict(
+        device=device, date=datetime.date.today().isoformat(), copy_gbps=round(copy, 1),
+        jax=jax.__version__, jaxnorm=jaxnorm.__version__, python=platform.python_version(),
+        bytes="fwd: read x + write y; fwd+bwd: read x, dy + write dx (primal output unused)",
+    )
+    lines = [
+        f"Device: {device}; date {meta['date']}; jax {jax.__version__}; "
+        f"measured copy bandwidth {copy:.0f} GB/s; dtype {dtype.name}; device kernel time.",
+        "",
+        "| op | pass | shape | impl | µs | GB/s | % of copy | speed-up vs XLA |",
+        "|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        lines.append(
+            f"| {r['op']} | {r['pass']} | {r['shape'][0]}x{r['shape'][1]} | {r['impl']} | "
+            f"{r['us']:.1f} | {r['gbps']:.0f} | {100 * r['gbps'] / copy:.0f}% | "
+            f"{r['vs_xla']:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "row_norm_" + device.replace(" ", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

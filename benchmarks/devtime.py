@@ -1,0 +1,64 @@
+"""Device kernel time of a jitted JAX call, read from a profiler trace.
+
+Wall-clock timing of a jitted call measures dispatch for anything below tens of
+microseconds. Instead, run the call `iters` times under jax.profiler, and sum,
+over the kernels one call launches, each kernel's median duration on the GPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+import statistics
+import tempfile
+
+import jax
+
+
+def kernel_times(fn, *args, iters: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median device duration (µs) per kernel name, times its launches per call."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir)
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+        profile = jax.profiler.ProfileData.from_file(path)
+    durations = collections.defaultdict(list)
+    for plane in profile.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                if "Memcpy" in event.name:
+                    continue
+                durations[event.name].append(event.duration_ns)
+    return {
+        name: statistics.median(d) / 1e3 * round(len(d) / iters)
+        for name, d in durations.items()
+        if round(len(d) / iters) > 0
+    }
+
+
+def device_time_us(fn, *args, iters: int = 20) -> float:
+    times = kernel_times(fn, *args, iters=iters)
+    if not times:  # no GPU plane (a CPU run): fall back to wall clock
+        import time
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            jax.block_until_ready(fn(*args))
+        return (time.perf_counter() - t0) / iters * 1e6
+    return sum(times.values())
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
+    """Read + write bandwidth of a large element-wise kernel (the memory ceiling)."""
+    x = jax.numpy.ones((nbytes // 4,), jax.numpy.float32) + jax.numpy.arange(nbytes // 4) % 7
+    t = device_time_us(jax.jit(lambda a: a * 2), x, iters=10)
+    return 2 * nbytes / t / 1e3

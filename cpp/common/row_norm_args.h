@@ -1,0 +1,141 @@
+// Argument checks for the row-norm handlers (RMSNorm when `centered` is false,
+// LayerNorm when true), shared by the CPU and CUDA handlers so both reject the
+// same inconsistent buffers with the same messages.
+//
+//   row_norm_fwd(x[R,H], scale[H|0], bias[H|0])
+//       -> y[R,H] (or [R,0]: statistics only), mean[R|0], rstd[R]
+//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R], dy[R,H])
+//       -> dx[R,H], dscale[H|0], dbias[H|0]
+#pragma once
+
+#include <cmath>
+
+#include "common/ffi_util.h"
+
+namespace jaxnorm {
+
+struct RowNormShape {
+  int64_t rows = 0;
+  int64_t hidden = 0;
+  bool has_scale = false;
+  bool has_bias = false;
+};
+
+inline ffi::Error check_rows(const AnyBuffer& x, RowNormShape* s) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: x must have rank 2 (rows, hidden), got shape " +
+        shape_str(dims));
+  }
+  s->rows = dims[0];
+  s->hidden = dims[1];
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_params(const AnyBuffer& scale, const AnyBuffer& bias,
+                               RowNormShape* s) {
+  JAXNORM_RETURN_IF_ERROR(
+      expect_optional(scale, "scale", s->hidden, &s->has_scale));
+  JAXNORM_RETURN_IF_ERROR(expect_optional(bias, "bias", s->hidden, &s->has_bias));
+  if (s->has_scale && s->has_bias) {
+    JAXNORM_RETURN_IF_ERROR(
+        expect_dtype(bias, "bias", scale.element_type()));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_stats(const AnyBuffer& x, const AnyBuffer& mean,
+                              const AnyBuffer& rstd, bool centered,
+                              const RowNormShape& s) {
+  DataType st = stats_dtype(x.element_type());
+  JAXNORM_RETURN_IF_ERROR(expect_dims(rstd, "rstd", {s.rows}));
+  JAXNORM_RETURN_IF_ERROR(expect_dtype(rstd, "rstd", st));
+  JAXNORM_RETURN_IF_ERROR(expect_dims(mean, "mean", {centered ? s.rows : 0}));
+  return expect_dtype(mean, "mean", st);
+}
+
+// The dtype of scale/bias, or x's when there are none.
+inline DataType param_dtype(const AnyBuffer& x, const AnyBuffer& scale,
+                            const AnyBuffer& bias, const RowNormShape& s) {
+  if (s.has_scale) return scale.element_type();
+  if (s.has_bias) return bias.element_type();
+  return x.element_type();
+}
+
+inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
+                                     const AnyBuffer& bias, const AnyBuffer& y,
+                                     const AnyBuffer& mean,
+                                     const AnyBuffer& rstd, double epsilon,
+                                     bool centered, RowNormShape* s,
+                                     bool* write_y) {
+  JAXNORM_RETURN_IF_ERROR(check_rows(x, s));
+  JAXNORM_RETURN_IF_ERROR(check_params(scale, bias, s));
+  auto ydims = y.dimensions();
+  *write_y = !(ydims.size() == 2 && ydims[0] == s->rows && ydims[1] == 0) ||
+             s->hidden == 0;
+  if (*write_y) JAXNORM_RETURN_IF_ERROR(expect_dims(y, "y", {s->rows, s->hidden}));
+  JAXNORM_RETURN_IF_ERROR(check_stats(x, mean, rstd, centered, *s));
+  if (!(epsilon >= 0.0) || !std::isfinite(epsilon)) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: epsilon must be finite and >= 0, got " +
+        std::to_string(epsilon));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
+                                     const AnyBuffer& mean,
+                                     const AnyBuffer& rstd, const AnyBuffer& dy,
+                                     const AnyBuffer& dx,
+                                     const AnyBuffer& dscale,
+                                     const AnyBuffer& dbias, bool centered,
+                                     RowNormShape* s) {
+  JAXNORM_RETURN_IF_ERROR(check_rows(x, s));
+  // dscale mirrors scale; dbias says whether the forward had a bias.
+  JAXNORM_RETURN_IF_ERROR(check_params(scale, dbias, s));
+  bool has_dscale = false;
+  JAXNORM_RETURN_IF_ERROR(
+      expect_optional(dscale, "dscale", s->hidden, &has_dscale));
+  if (has_dscale != s->has_scale) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: dscale must be present exactly when scale is");
+  }
+  if (s->has_scale) {
+    JAXNORM_RETURN_IF_ERROR(
+        expect_dtype(dscale, "dscale", scale.element_type()));
+  }
+  JAXNORM_RETURN_IF_ERROR(check_stats(x, mean, rstd, centered, *s));
+  JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->rows, s->hidden}));
+  JAXNORM_RETURN_IF_ERROR(expect_dims(dx, "dx", {s->rows, s->hidden}));
+  return expect_dtype(dx, "dx", x.element_type());
+}
+
+// The FFI signatures, appended to a platform's binding (which may first add
+// context such as the CUDA stream).
+template <typename B>
+auto bind_row_norm_fwd(B binding) {
+  return std::move(binding).template Arg<AnyBuffer>()  // x
+      .template Arg<AnyBuffer>()            // scale
+      .template Arg<AnyBuffer>()            // bias
+      .template Ret<AnyBuffer>()            // y
+      .template Ret<AnyBuffer>()            // mean
+      .template Ret<AnyBuffer>()            // rstd
+      .template Attr<double>("epsilon")
+      .template Attr<bool>("centered");
+}
+
+template <typename B>
+auto bind_row_norm_bwd(B binding) {
+  return std::move(binding).template Arg<AnyBuffer>()  // x
+      .template Arg<AnyBuffer>()            // scale
+      .template Arg<AnyBuffer>()            // mean
+      .template Arg<AnyBuffer>()            // rstd
+      .template Arg<AnyBuffer>()            // dy
+      .template Ret<AnyBuffer>()            // dx
+      .template Ret<AnyBuffer>()            // dscale
+      .template Ret<AnyBuffer>()            // dbias
+      .template Attr<bool>("centered");
+}
+
+}  // namespace jaxnorm

@@ -1,0 +1,191 @@
+"""Machinery every jaxnorm op shares: defining a primitive (abstract eval,
+per-platform lowering, batching, eager impl), output avals that keep the
+operands' sharding and manual-axis information, and lining up the varying
+manual axes of operands inside `shard_map`.
+
+An op supplies an abstract-eval rule, a pure-jnp reference implementation of
+the same math, and the FFI attributes taken from its parameters. The reference
+is the lowering on platforms without a compiled kernel (TPU, ROCm, or a build
+without CUDA) and the batching rule for cases a kernel cannot batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import PartitionSpec
+
+from jaxnorm._ffi import KERNELS, TARGET_PREFIX
+
+
+def define_primitive(
+    name: str,
+    *,
+    abstract_eval: Callable[..., Sequence[Any]],
+    reference: Callable[..., Sequence[jax.Array]],
+    attributes: Callable[..., dict[str, Any]],
+    row_args: Sequence[bool],
+    row_outs: Sequence[bool],
+) -> Primitive:
+    """A multiple-result primitive lowered to the FFI target `name`.
+
+    `row_args`/`row_outs` flag the operands and results whose leading axis runs
+    over independent rows: vmap folds a batch axis into those rows and calls
+    the kernel once. Other results (reductions over rows, such as dscale) come
+    from the vmapped reference in that case.
+    """
+    prim = Primitive(TARGET_PREFIX + name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract_eval)
+    prim.def_impl(functools.partial(_eager_impl, prim))
+    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True))
+    for platform, names in KERNELS.items():
+        if name in names:
+            rule = _ffi_lowering(TARGET_PREFIX + name, attributes)
+            mlir.register_lowering(prim, rule, platform=platform)
+    batching.primitive_batchers[prim] = functools.partial(
+        _batch_rows, prim, reference, tuple(row_args), tuple(row_outs)
+    )
+    return prim
+
+
+def _ffi_lowering(target: str, attributes: Callable[..., dict[str, Any]]):
+    lower = jax.ffi.ffi_lowering(target)
+
+    def rule(ctx, *args, **params):
+        return lower(ctx, *args, **attributes(**params))
+
+    return rule
+
+
+@functools.cache
+def _jitted_bind(prim: Primitive, params: tuple[tuple[str, Any], ...]):
+    return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _eager_impl(prim: Primitive, *args, **params):
+    # A primitive only runs compiled, also under jax.disable_jit().
+    with jax.disable_jit(False):
+        return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
+def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
+    not_mapped = getattr(batching, "not_mapped", None)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
+    ref_axes = tuple(None if d is not_mapped else d for d in dims)
+
+    def vmapped_reference():
+        return jax.vmap(functools.partial(reference, **params), in_axes=ref_axes)(*args)
+
+    if size == 0 or any(d is not not_mapped and not row for d, row in zip(dims, row_args)):
+        outs = vmapped_reference()
+        return list(outs), [0] * len(outs)
+
+    merged = []
+    for a, d, row in zip(args, dims, row_args):
+        if row:
+            a = jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
+            a = a.reshape((size * a.shape[1], *a.shape[2:]))
+        merged.append(a)
+    outs = list(prim.bind(*merged, **params))
+    out_dims = []
+    per_example = []
+    for i, (o, row) in enumerate(zip(outs, row_outs)):
+        if row:
+            outs[i] = o.reshape((size, o.shape[0] // size, *o.shape[1:]))
+            out_dims.append(0)
+        elif o.size == 0:
+            out_dims.append(not_mapped)
+        else:
+            per_example.append(i)
+            out_dims.append(0)
+    if per_example:
+        ref = vmapped_reference()
+        for i in per_example:
+            outs[i] = ref[i]
+    return outs, out_dims
+
+
+def like(aval, shape: tuple[int, ...], dtype, dims: Sequence[int | None]):
+    """An aval of `shape` and `dtype` that keeps `aval`'s manual axes and mesh.
+
+    `dims[i]` names the dimension of `aval` whose sharding the new dimension i
+    inherits (None: not sharded).
+    """
+    spec = tuple(aval.sharding.spec) + (None,) * aval.ndim
+    new_spec = PartitionSpec(*(None if d is None else spec[d] for d in dims))
+    sharding = aval.sharding.update(spec=new_spec)
+    return aval.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False, sharding=sharding)
+
+
+def _varying_axes(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _pvary(x, axes: tuple):
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)
+
+
+def match_varying(*arrays):
+    """Inside `shard_map`, mark every array as varying over the union of the
+    manual axes any of them varies over (None entries pass through).
+
+    Kernels mix their operands, so their results vary wherever any operand
+    does; the transpose of this marking is the psum that, e.g., sums a
+    replicated scale's gradient over the devices.
+    """
+    present = [a for a in arrays if a is not None]
+    axes = frozenset().union(*(_varying_axes(a) for a in present))
+    if not axes:
+        return arrays
+    out = []
+    for a in arrays:
+        missing = () if a is None else tuple(sorted(axes - _varying_axes(a), key=str))
+        out.append(_pvary(a, missing) if missing else a)
+    return tuple(out)
+
+
+def register_dce_rewrite(prim: Primitive, rewrite: Callable[[list[bool], dict], dict | None]):
+    """Lets jit's dead-code elimination swap `prim`'s parameters when only some
+    of its results are used (e.g. a forward whose output is dead but whose
+    statistics feed the backward). `rewrite(used, params)` returns new params or
+    None to keep the equation. Uses JAX's internal DCE hook; without it (a
+    future JAX that moved it) the equation is simply kept whole.
+    """
+    try:
+        from jax._src import core
+        from jax._src.interpreters import partial_eval as pe
+    except ImportError:  # pragma: no cover
+        return
+
+    def rule(used_outputs, eqn):
+        n = len(eqn.invars)
+        if not any(used_outputs):
+            return [False] * n, None
+        params = rewrite(list(used_outputs), dict(eqn.params))
+        if params is None:
+            return [True] * n, eqn
+        avals, _ = prim.abstract_eval(*(v.aval for v in eqn.invars), **params)
+        outvars = [
+            v if used else core.DropVar(aval)
+            for v, used, aval in zip(eqn.outvars, used_outputs, avals)
+        ]
+        new_eqn = core.new_jaxpr_eqn(
+            eqn.invars, outvars, prim, params, eqn.effects, eqn.source_info, eqn.ctx
+        )
+        return [True] * n, new_eqn
+
+    pe.dce_rules[prim] = rule

@@ -1,0 +1,395 @@
+"""rms_norm and layer_norm against float64 references, on the default device
+(the CUDA kernels on a GPU, the CPU kernels elsewhere)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import assert_close, norm_np, vjp64
+
+import jaxnorm
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]
+OPS = {
+    "rms_norm": (jaxnorm.rms_norm, False, 1e-6),
+    "layer_norm": (jaxnorm.layer_norm, True, 1e-5),
+}
+
+
+def rand(seed, shape, dtype, offset=0.0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape) + offset, dtype)
+
+
+def call(op, x, scale, bias, **kw):
+    fn, centered, _ = OPS[op]
+    return fn(x, scale, bias, **kw) if centered else fn(x, scale, **kw)
+
+
+def params(op, seed, shape, dtype):
+    scale = rand(seed + 1, shape, dtype, offset=1.0)
+    bias = rand(seed + 2, shape, dtype) if OPS[op][1] else None
+    return scale, bias
+
+
+def check_values(op, x, scale, bias, ndim=1, out_dtype=None, **kw):
+    _, centered, eps = OPS[op]
+    y = jax.jit(functools.partial(call, op, **kw))(x, scale, bias)
+    out_dtype = out_dtype or x.dtype
+    assert y.shape == x.shape and y.dtype == out_dtype
+    # bf16/f16 inputs are exact in float64, so the reference sees the same x.
+    assert_close(y, norm_np(x, scale, bias, eps, centered, ndim), out_dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("hidden", [1, 3, 127, 1024, 4097, 65536])
+def test_values(op, dtype, hidden):
+    rows = 5 if hidden < 65536 else 3
+    x = rand(hidden, (rows, hidden), dtype, offset=0.5)
+    scale, bias = params(op, hidden, (hidden,), dtype)
+    check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_very_long_rows(op, dtype):
+    x = rand(7, (2, 262144), dtype, offset=2.0)
+    scale, bias = params(op, 7, (262144,), dtype)
+    check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("rows", [1, 2, 33, 1000])
+def test_row_counts(op, rows):
+    x = rand(rows, (rows, 256), jnp.bfloat16)
+    scale, bias = params(op, rows, (256,), jnp.bfloat16)
+    check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_large_mean_is_stable(op):
+    # LayerNorm's variance must not cancel when |mean| >> std.
+    # x near 1e3 carries float32 rounding of ~6e-5, so the bound is looser than
+    # usual; a one-pass E[x^2] - E[x]^2 misses it by orders of magnitude.
+    _, centered, eps = OPS[op]
+    x = rand(3, (4, 1024), jnp.float32, offset=1e3)
+    y = jax.jit(functools.partial(call, op))(x, None, None)
+    assert_close(y, norm_np(x, None, None, eps, centered, 1), jnp.float32, scale=20)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_without_params(op):
+    x = rand(0, (6, 96), jnp.float32)
+    check_values(op, x, None, None)
+    if OPS[op][1]:
+        _, bias = params(op, 0, (96,), jnp.float32)
+        check_values(op, x, None, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_multidim_normalized_shape(op):
+    x = rand(1, (2, 3, 5, 6), jnp.float32)
+    scale, bias = params(op, 1, (5, 6), jnp.float32)
+    check_values(op, x, scale, bias, ndim=2)
+    check_values(op, x, None, None, ndim=2, normalized_shape=(5, 6))
+    check_values(op, x, None, None, ndim=3, normalized_shape=(3, 5, 6))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "x_dtype,p_dtype",
+    [
+        (jnp.bfloat16, jnp.float32),
+        (jnp.float16, jnp.float32),
+        (jnp.float32, jnp.bfloat16),
+        (jnp.float16, jnp.bfloat16),
+        (jnp.float64, jnp.float32),
+    ],
+    ids=str,
+)
+def test_parameter_dtype(op, x_dtype, p_dtype):
+    x = rand(4, (7, 200), x_dtype)
+    scale, bias = params(op, 4, (200,), p_dtype)
+    check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize(
+    "x_dtype,out_dtype",
+    [(jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16), (jnp.float16, jnp.bfloat16)],
+    ids=str,
+)
+def test_output_dtype(op, x_dtype, out_dtype):
+    x = rand(5, (3, 512), x_dtype)
+    scale, bias = params(op, 5, (512,), x_dtype)
+    check_values(op, x, scale, bias, out_dtype=jnp.dtype(out_dtype), dtype=out_dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("hidden", [3, 130])
+def test_check_grads(op, dtype, hidden):
+    x = rand(11, (4, hidden), dtype)
+    scale, bias = params(op, 11, (hidden,), dtype)
+    f32 = dtype == jnp.float32
+    tol = dict(atol=5e-2, rtol=5e-2, eps=1e-2) if f32 else dict(atol=1e-6, rtol=1e-6)
+    if OPS[op][1]:
+        check_grads(lambda x, s, b: jaxnorm.layer_norm(x, s, b), (x, scale, bias), 1,
+                    modes=["rev"], **tol)
+    else:
+        check_grads(lambda x, s: jaxnorm.rms_norm(x, s), (x, scale), 1, modes=["rev"], **tol)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(5, 1), (9, 127), (3, 4097), (2, 4, 24)])
+def test_grads_against_float64(op, dtype, shape):
+    _, centered, eps = OPS[op]
+    ndim = 2 if len(shape) == 3 else 1
+    x = rand(21, shape, dtype)
+    scale, bias = params(op, 21, shape[-ndim:], dtype)
+    dy = rand(22, shape, dtype)
+    _, pullback = jax.vjp(lambda *a: call(op, *a), x, scale, bias)
+    grads = jax.jit(pullback)(dy)
+    expected = vjp64(x, scale, bias, dy, eps, centered, ndim)
+    rows = x.size // scale.size
+    for got, want, sums in zip(grads, expected, (1, rows, rows)):
+        if want is None:
+            assert got is None
+            continue
+        assert got.dtype == dtype and got.shape == want.shape
+        # dscale/dbias add up `rows` rounded terms
+        assert_close(got, want, dtype, scale=float(np.sqrt(sums)) * 4)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_vmap_over_axes(op):
+    x = rand(31, (3, 4, 64), jnp.float32)
+    scale, bias = params(op, 31, (64,), jnp.float32)
+    expected = call(op, x, scale, bias)
+    for axis in (0, 1):
+        got = jax.vmap(lambda xi: call(op, xi, scale, bias), in_axes=axis, out_axes=axis)(x)
+        assert_close(got, expected, jnp.float32)
+    # batching over the normalized axis: each slice x[:, :, j] is normalized over its last axis
+    xt = jnp.swapaxes(x, 1, 2)  # (3, 64, 4)
+    s4, b4 = params(op, 32, (4,), jnp.float32)
+    got = jax.vmap(lambda xi: call(op, xi, s4, b4), in_axes=1, out_axes=1)(xt)
+    assert_close(got, call(op, xt, s4, b4), jnp.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_vmap_batched_params(op):
+    _, centered, eps = OPS[op]
+    x = rand(41, (3, 5, 32), jnp.float32)
+    scale, bias = params(op, 41, (3, 32), jnp.float32)
+    got = jax.vmap(lambda *a: call(op, *a))(x, scale, bias)
+    b = [None if bias is None else bias[i] for i in range(3)]
+    want = np.stack([norm_np(x[i], scale[i], b[i], eps, centered, 1) for i in range(3)])
+    assert_close(got, want, jnp.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_vmap_of_grad(op):
+    _, centered, eps = OPS[op]
+    x = rand(51, (4, 6, 40), jnp.float64)
+    scale, bias = params(op, 51, (40,), jnp.float64)
+    dy = rand(52, (4, 6, 40), jnp.float64)
+
+    def per_example(xi, dyi):
+        _, pullback = jax.vjp(lambda *a: call(op, *a), xi, scale, bias)
+        return pullback(dyi)
+
+    got = jax.jit(jax.vmap(per_example))(x, dy)
+    for i in range(4):
+        want = vjp64(x[i], scale, bias, dy[i], eps, centered, 1)
+        for g, w in zip(got, want):
+            if w is not None:
+                assert_close(g[i], w, jnp.float64)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_checkpoint_and_eager(op):
+    x = rand(61, (8, 48), jnp.float32)
+    scale, bias = params(op, 61, (48,), jnp.float32)
+
+    def loss(*a):
+        return jnp.sum(jnp.sin(call(op, *a)))
+
+    want = jax.grad(loss, argnums=(0, 1))(x, scale, bias)
+    got = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, scale, bias)
+    for g, w in zip(got, want):
+        assert_close(g, w, jnp.float32)
+    with jax.disable_jit():
+        eager = call(op, x, scale, bias)
+    assert_close(eager, call(op, x, scale, bias), jnp.float32)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_empty_rows(op):
+    x = jnp.ones((0, 4096), jnp.bfloat16)
+    scale, bias = params(op, 0, (4096,), jnp.bfloat16)
+    y = call(op, x, scale, bias)
+    assert y.shape == (0, 4096) and y.dtype == jnp.bfloat16
+    grads = jax.grad(lambda *a: jnp.sum(call(op, *a)), argnums=(0, 1, 2))(x, scale, bias)
+    for g, p in zip(grads, (x, scale, bias)):
+        if p is not None:
+            assert g.shape == p.shape and g.dtype == p.dtype
+            assert not np.any(np.asarray(g, np.float32))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_nonfinite_rows_stay_in_their_row(op):
+    _, centered, eps = OPS[op]
+    x = np.array(rand(71, (6, 300), jnp.float32))
+    x[1, 7] = np.nan
+    x[4, 0] = np.inf
+    scale, bias = params(op, 71, (300,), jnp.float32)
+    y = np.asarray(jax.jit(functools.partial(call, op))(jnp.asarray(x), scale, bias))
+    bad = ~np.isfinite(y)
+    assert bad[1].any() and bad[4].any()
+    good = [0, 2, 3, 5]
+    assert not bad[good].any()
+    assert_close(y[good], norm_np(x[good], scale, bias, eps, centered, 1), jnp.float32)
+
+
+def test_backward_is_deterministic():
+    x = rand(81, (4096, 512), jnp.float32)
+    scale, bias = params("layer_norm", 81, (512,), jnp.float32)
+    dy = rand(82, (4096, 512), jnp.float32)
+    f = jax.jit(lambda *a: jax.vjp(jaxnorm.layer_norm, *a)[1](dy))
+    first = f(x, scale, bias)
+    for _ in range(3):
+        for a, b in zip(first, f(x, scale, bias)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(x=jnp.ones((4, 8), jnp.int32)), TypeError, "x must have dtype float32"),
+        (dict(x=jnp.ones((4, 8), jnp.complex64)), TypeError, "x must have dtype"),
+        (dict(scale=jnp.ones((7,))), ValueError, r"trailing dimensions of x \(4, 8\)"),
+        (dict(scale=jnp.ones((2, 4, 8))), ValueError, "x must have rank >= 3"),
+        (dict(scale=jnp.ones((8,), jnp.int32)), TypeError, "scale must have dtype"),
+        (dict(scale=jnp.ones((8,)), bias=jnp.ones((5,))), ValueError,
+         r"bias must have shape \(8,\)"),
+        (dict(epsilon=-1e-5), ValueError, "epsilon must be finite and >= 0"),
+        (dict(epsilon=float("nan")), ValueError, "epsilon must be finite"),
+        (dict(epsilon=float("inf")), ValueError, "epsilon must be finite"),
+        (dict(normalized_shape=(3, 8)), ValueError, "trailing dimensions"),
+        (dict(normalized_shape=()), ValueError, "at least one axis"),
+        (dict(dtype=jnp.int8), TypeError, "dtype must be float32"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    args = dict(x=jnp.ones((4, 8), jnp.float32), scale=None, bias=None)
+    args.update(kwargs)
+    x, scale, bias = args.pop("x"), args.pop("scale"), args.pop("bias")
+    with pytest.raises(error, match=match):
+        jaxnorm.layer_norm(x, scale, bias, **args)
+
+
+def test_rank_zero_and_traced_epsilon():
+    with pytest.raises(ValueError, match="rank >= 1"):
+        jaxnorm.rms_norm(jnp.float32(1.0))
+    with pytest.raises(TypeError, match="epsilon must be a static"):
+        jax.jit(lambda e: jaxnorm.rms_norm(jnp.ones((2, 4)), epsilon=e))(1e-5)
+
+
+# ------------------------------------------------ kernels and handlers
+
+
+def _platform():
+    return jax.devices()[0].platform
+
+
+def test_default_platform_uses_its_kernels():
+    hlo = jax.jit(jaxnorm.rms_norm).lower(jnp.ones((4, 8), jnp.float32)).as_text()
+    has_kernel = _platform() in jaxnorm.kernel_platforms()
+    assert ("jaxnorm_row_norm_fwd" in hlo) == has_kernel
+
+
+def test_dead_output_computes_statistics_only():
+    x = jnp.ones((16, 32), jnp.float32)
+    f = jax.jit(lambda x, s, dy: jax.vjp(jaxnorm.rms_norm, x, s)[1](dy))
+    hlo = f.lower(x, x[0], x).as_text()
+    fwd = [line for line in hlo.splitlines() if "@jaxnorm_row_norm_fwd" in line]
+    if _platform() in jaxnorm.kernel_platforms():
+        assert len(fwd) == 1 and "tensor<16x0xf32>" in fwd[0]
+
+
+def _ffi(target, outs, *args, **attrs):
+    return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
+
+
+@pytest.mark.skipif(
+    jax.devices()[0].platform not in jaxnorm.kernel_platforms(), reason="no kernels here"
+)
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("rstd_rows", r"rstd has shape \(3,\), expected \(4,\)"),
+        ("scale_len", r"scale has shape \(5,\), expected \(8,\)"),
+        ("x_rank", "x must have rank 2"),
+        ("x_int", "x has dtype"),
+        ("bwd_dx", r"dx has shape \(4, 7\), expected \(4, 8\)"),
+    ],
+)
+def test_handlers_reject_inconsistent_buffers(case, match):
+    sd = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    x, e = jnp.ones((4, 8), f32), jnp.zeros((0,), f32)
+    attrs = dict(epsilon=np.float64(1e-5), centered=np.bool_(False))
+    if case == "rstd_rows":
+        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((3,), f32)),  # noqa: E731
+                            x, e, e, **attrs)
+    elif case == "scale_len":
+        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
+                            x, jnp.ones((5,), f32), e, **attrs)
+    elif case == "x_rank":
+        call = lambda: _ffi("row_norm_fwd", (sd((32,), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
+                            x.reshape(32), e, e, **attrs)
+    elif case == "x_int":
+        xi = jnp.ones((4, 8), jnp.int32)
+        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
+                            xi, e, e, **attrs)
+    else:
+        call = lambda: _ffi(  # noqa: E731
+            "row_norm_bwd", (sd((4, 7), f32), sd((0,), f32), sd((0,), f32)),
+            x, e, e, jnp.ones((4,), f32), x, centered=np.bool_(False))
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(jax.jit(call)())
+
+
+# ------------------------------------------------ reference lowering
+
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_reference_implementation(centered):
+    """The jnp lowering used on platforms without kernels computes the same math."""
+    from jaxnorm import row_norm
+
+    x = rand(91, (6, 50), jnp.float32)
+    scale = rand(92, (50,), jnp.float32, 1.0)
+    bias = rand(93, (50,), jnp.float32) if centered else jnp.zeros((0,), jnp.float32)
+    y, mean, rstd = row_norm._fwd_reference(
+        x, scale, bias, epsilon=1e-5, centered=centered, out_dtype=jnp.float32, write_output=True
+    )
+    b = bias if centered else None
+    assert_close(y, norm_np(x, scale, b, 1e-5, centered, 1), jnp.float32)
+    dy = rand(94, (6, 50), jnp.float32)
+    dx, ds, db = row_norm._bwd_reference(
+        x, scale, mean, rstd, dy, centered=centered, has_bias=centered, param_dtype=jnp.float32
+    )
+    want = vjp64(x, scale, b, dy, 1e-5, centered, 1)
+    assert_close(dx, want[0], jnp.float32)
+    assert_close(ds, want[1], jnp.float32, scale=10)
+    if centered:
+        assert_close(db, want[2], jnp.float32, scale=10)
