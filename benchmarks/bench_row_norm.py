@@ -16,7 +16,7 @@ import platform
 import jax
 import jax.numpy as jnp
 import numpy as np
-from devtime import copy_bandwidth_gbps, device_time_us
+from devtime import copy_bandwidth_gbps, kernel_times
 
 import jaxnorm
 
@@ -58,10 +58,14 @@ def timed(op, impl, pass_, shape, dtype):
     f = IMPLS[op][impl]
     x, params, dy = inputs(op, shape, dtype)
     if pass_ == "fwd":
-        return device_time_us(jax.jit(f), x, *params)
-    # The primal output is unused, as under jax.grad.
-    bwd = jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy))
-    return device_time_us(bwd, x, dy, *params)
+        fn, args = jax.jit(f), (x, *params)
+    else:  # the primal output is unused, as under jax.grad
+        fn, args = jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), (x, dy, *params)
+    kernels = kernel_times(fn, *args)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
+    print(f"# {op} {pass_} {shape} {impl}: {detail}", flush=True)
+    return sum(kernels.values())
 
 
 def main():

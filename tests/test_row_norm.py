@@ -307,7 +307,10 @@ def test_rank_zero_and_traced_epsilon():
 
 
 def _platform():
-    return jax.devices()[0].platform
+    device = jax.devices()[0]
+    if device.platform == "gpu":  # lowering platform names: "cuda" or "rocm"
+        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+    return device.platform
 
 
 def test_default_platform_uses_its_kernels():
@@ -329,9 +332,7 @@ def _ffi(target, outs, *args, **attrs):
     return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
 
 
-@pytest.mark.skipif(
-    jax.devices()[0].platform not in jaxnorm.kernel_platforms(), reason="no kernels here"
-)
+@pytest.mark.skipif(_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
 @pytest.mark.parametrize(
     "case,match",
     [
