@@ -20,13 +20,12 @@ namespace {
 // element-wise (VEC = 1) fallback keeps fewer: each element costs its own
 // bounds check and load there.
 template <typename A, int VEC>
-constexpr int kFwdElems = VEC == 1 ? 4 : std::is_same_v<A, double> ? 8 : 32;
+constexpr int kFwdElems = VEC == 1 ? 4 : std::is_same_v<A, double> ? 16 : 32;
 template <typename A, int VEC>
-constexpr int kBwdElems = VEC == 1 ? 4 : std::is_same_v<A, double> ? 4 : VEC == 4 ? 16 : 24;
+constexpr int kBwdElems = VEC == 1 ? 4 : std::is_same_v<A, double> ? 8 : 24;
 constexpr int kMaxRowThreads = 512;   // register path; bounds registers/thread
 constexpr int kLongThreads = 1024;    // long path
 constexpr int kBlockTarget = 256;     // threads per block when rows are short
-constexpr size_t kMaxAccBytes = 200 * 1024;  // backward's shared accumulators
 
 struct FwdArgs {
   const void* x;
@@ -56,36 +55,6 @@ struct BwdArgs {
 
 // ----------------------------------------------------------------- forward
 
-// Loads this thread's NV vectors of `row` (zeros past the row's end or for a
-// row that does not exist).
-template <int NV, int VEC, typename A, typename T>
-__device__ __forceinline__ void load_row(A (&v)[NV][VEC], const T* base, int64_t row,
-                                         int64_t rows, int64_t hidden, int lane,
-                                         int tpr) {
-  const int64_t nvec = hidden / VEC;
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int64_t c = lane + int64_t(i) * tpr;
-    if (row < rows && c < nvec) {
-      load_vec(v[i], base + row * hidden + c * VEC);
-    } else {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) v[i][e] = 0;
-    }
-  }
-}
-
-template <int NV, int VEC, typename A>
-__device__ __forceinline__ void copy_regs(A (&dst)[NV][VEC], const A (&src)[NV][VEC]) {
-#pragma unroll
-  for (int i = 0; i < NV; ++i)
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) dst[i][e] = src[i][e];
-}
-
-// A persistent grid: each block walks row groups with a stride of gridDim.x
-// and loads its next rows before reducing the current ones, so that memory
-// stays busy through the reductions.
 template <typename X, typename Y, typename W, int VEC>
 __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   using A = acc_t<X>;
@@ -95,15 +64,21 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   const int slot = threadIdx.x / a.tpr;
   const int64_t nvec = a.hidden / VEC;
   const A inv_n = A(1) / A(a.hidden);
-  const X* x = static_cast<const X*>(a.x);
-  A v[NV][VEC], next[NV][VEC];
-  int64_t g = blockIdx.x;
-  load_row(v, x, g * a.rows_per_block + slot, a.rows, a.hidden, lane, a.tpr);
-  for (; g * a.rows_per_block < a.rows; g += gridDim.x) {
+  for (int64_t g = blockIdx.x; g * a.rows_per_block < a.rows; g += gridDim.x) {
     const int64_t row = g * a.rows_per_block + slot;
     const bool valid = row < a.rows;
-    load_row(next, x, row + int64_t(gridDim.x) * a.rows_per_block, a.rows, a.hidden,
-             lane, a.tpr);
+    const X* xr = static_cast<const X*>(a.x) + row * a.hidden;
+    A v[NV][VEC];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * a.tpr;
+      if (valid && c < nvec) {
+        load_vec(v[i], xr + c * VEC);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) v[i][e] = 0;
+      }
+    }
     A mean = 0;
     if (a.centered) {
       A s[1] = {0};
@@ -130,31 +105,29 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
       if (a.centered) static_cast<A*>(a.mean)[row] = mean;
       static_cast<A*>(a.rstd)[row] = rstd;
     }
-    if (a.write_y && valid) {
-      Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
+    if (!a.write_y || !valid) continue;
+    Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const int64_t c = lane + int64_t(i) * a.tpr;
-        if (c >= nvec) continue;
-        A o[VEC];
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * a.tpr;
+      if (c >= nvec) continue;
+      A o[VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) o[e] = v[i][e] * rstd;
-        if (a.has_scale) {
-          A w[VEC];
-          load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+      for (int e = 0; e < VEC; ++e) o[e] = v[i][e] * rstd;
+      if (a.has_scale) {
+        A w[VEC];
+        load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
 #pragma unroll
-          for (int e = 0; e < VEC; ++e) o[e] *= w[e];
-        }
-        if (a.has_bias) {
-          A b[VEC];
-          load_vec(b, static_cast<const W*>(a.bias) + c * VEC);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) o[e] += b[e];
-        }
-        store_vec(yr + c * VEC, o);
+        for (int e = 0; e < VEC; ++e) o[e] *= w[e];
       }
+      if (a.has_bias) {
+        A b[VEC];
+        load_vec(b, static_cast<const W*>(a.bias) + c * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) o[e] += b[e];
+      }
+      store_vec(yr + c * VEC, o);
     }
-    copy_regs(v, next);
   }
 }
 
@@ -216,22 +189,30 @@ __global__ void __launch_bounds__(kLongThreads) fwd_long(FwdArgs a) {
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale, with the
 // mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat, dbias = sum dy.
 
-// The block's dscale/dbias accumulators live in shared memory, one copy per
-// row slot ([slot][region][column]); each thread only touches its own
-// columns, so updates need no synchronization. At the end the slots are added
-// in slot order and the block writes its partial row(s).
+// Adds the block's per-slot accumulators in slot order through shared memory
+// and writes the block's partial row. All threads must call it.
 template <int NV, int VEC, typename A>
-__device__ __forceinline__ void accumulate(A* acc, const A (&v)[NV][VEC], int lane,
-                                           int tpr, int64_t nvec) {
+__device__ void write_block_partial(const A (&acc)[NV][VEC], A* out,
+                                    const BwdArgs& a, A* buf) {
+  const int lane = threadIdx.x % a.tpr;
+  const int slot = threadIdx.x / a.tpr;
+  const int64_t nvec = a.hidden / VEC;
+  for (int s = 0; s < a.rows_per_block; ++s) {
+    if (slot == s) {
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int64_t c = lane + int64_t(i) * tpr;
-    if (c >= nvec) continue;
-    A cur[VEC];
-    load_vec(cur, acc + c * VEC);
+      for (int i = 0; i < NV; ++i) {
+        const int64_t c = lane + int64_t(i) * a.tpr;
+        if (c >= nvec) continue;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) cur[e] += v[i][e];
-    store_vec(acc + c * VEC, cur);
+        for (int e = 0; e < VEC; ++e) {
+          A prev = s == 0 ? A(0) : buf[c * VEC + e];
+          A sum = prev + acc[i][e];
+          if (s + 1 == a.rows_per_block) out[c * VEC + e] = sum;
+          else buf[c * VEC + e] = sum;
+        }
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -240,52 +221,38 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   constexpr int NV = kBwdElems<A, VEC> / VEC;
   __shared__ A smem[32 * 2];
-  extern __shared__ __align__(16) unsigned char acc_raw[];
+  extern __shared__ __align__(16) unsigned char slot_buf_raw[];
+  A* slot_buf = reinterpret_cast<A*>(slot_buf_raw);
   const int lane = threadIdx.x % a.tpr;
   const int slot = threadIdx.x / a.tpr;
   const int64_t nvec = a.hidden / VEC;
-  const int64_t width = int64_t(a.tpr) * NV * VEC;  // columns, padded
-  const int regions = int(a.has_scale) + int(a.has_bias);
-  A* acc = reinterpret_cast<A*>(acc_raw);
-  for (int64_t j = threadIdx.x; j < width * regions * a.rows_per_block; j += blockDim.x) {
-    acc[j] = 0;
-  }
-  __syncthreads();
-  A* acc_w = acc + int64_t(slot) * regions * width;
-  A* acc_b = acc_w + (a.has_scale ? width : 0);
   const A inv_n = A(1) / A(a.hidden);
-  const X* x = static_cast<const X*>(a.x);
-  const G* dy = static_cast<const G*>(a.dy);
+  A dw[NV][VEC], db[NV][VEC];
+#pragma unroll
+  for (int i = 0; i < NV; ++i)
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dw[i][e] = db[i][e] = 0;
 
-  A xh[NV][VEC], g[NV][VEC], nx[NV][VEC], ndy[NV][VEC];
-  int64_t grp = blockIdx.x;
-  load_row(xh, x, grp * a.rows_per_block + slot, a.rows, a.hidden, lane, a.tpr);
-  load_row(g, dy, grp * a.rows_per_block + slot, a.rows, a.hidden, lane, a.tpr);
-  for (; grp * a.rows_per_block < a.rows; grp += gridDim.x) {
+  for (int64_t grp = blockIdx.x; grp * a.rows_per_block < a.rows;
+       grp += gridDim.x) {
     const int64_t row = grp * a.rows_per_block + slot;
     const bool valid = row < a.rows;
-    const int64_t next = row + int64_t(gridDim.x) * a.rows_per_block;
-    load_row(nx, x, next, a.rows, a.hidden, lane, a.tpr);
-    load_row(ndy, dy, next, a.rows, a.hidden, lane, a.tpr);
-    const A mean = valid && a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
-    const A rstd = valid ? static_cast<const A*>(a.rstd)[row] : A(0);
-    A s[2] = {0, 0};
+    const int64_t base = row * a.hidden;
+    A xh[NV][VEC], g[NV][VEC];
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c = lane + int64_t(i) * a.tpr;
-      if (c >= nvec) continue;
+      if (valid && c < nvec) {
+        load_vec(xh[i], static_cast<const X*>(a.x) + base + c * VEC);
+        load_vec(g[i], static_cast<const G*>(a.dy) + base + c * VEC);
+      } else {
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) xh[i][e] = (xh[i][e] - mean) * rstd;  // 0 if !valid
+        for (int e = 0; e < VEC; ++e) xh[i][e] = g[i][e] = 0;
+      }
     }
-    if (valid) {
-      A dw[NV][VEC];
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) dw[i][e] = g[i][e] * xh[i][e];
-      if (a.has_scale) accumulate(acc_w, dw, lane, a.tpr, nvec);
-      if (a.has_bias) accumulate(acc_b, g, lane, a.tpr, nvec);
-    }
+    const A mean = valid && a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
+    const A rstd = valid ? static_cast<const A*>(a.rstd)[row] : A(0);
+    A s[2] = {0, 0};
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c = lane + int64_t(i) * a.tpr;
@@ -294,7 +261,11 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       if (a.has_scale) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        if (a.has_scale) g[i][e] *= w[e];
+        const A d = g[i][e];
+        xh[i][e] = (xh[i][e] - mean) * rstd;  // 0 on invalid rows (rstd = 0)
+        dw[i][e] += d * xh[i][e];
+        db[i][e] += d;
+        if (a.has_scale) g[i][e] = d * w[e];
         s[0] += g[i][e] * xh[i][e];
         s[1] += g[i][e];
       }
@@ -302,32 +273,26 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     row_sum(s, a.tpr, smem);
     const A c_gx = s[0] * inv_n;
     const A c_g = a.centered ? s[1] * inv_n : A(0);
-    if (valid) {
-      X* dxr = static_cast<X*>(a.dx) + row * a.hidden;
+    if (!valid) continue;
+    X* dxr = static_cast<X*>(a.dx) + base;
 #pragma unroll
-      for (int i = 0; i < NV; ++i) {
-        const int64_t c = lane + int64_t(i) * a.tpr;
-        if (c >= nvec) continue;
-        A o[VEC];
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * a.tpr;
+      if (c >= nvec) continue;
+      A o[VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[i][e] - c_g - xh[i][e] * c_gx);
-        store_vec(dxr + c * VEC, o);
-      }
-    }
-    copy_regs(xh, nx);
-    copy_regs(g, ndy);
-  }
-  __syncthreads();
-  // partial[region][block][column] = sum over slots, in slot order
-  const int64_t cols = a.hidden;
-  for (int r = 0; r < regions; ++r) {
-    A* out = static_cast<A*>(a.partial) + (int64_t(r) * gridDim.x + blockIdx.x) * cols;
-    for (int64_t j = threadIdx.x; j < cols; j += blockDim.x) {
-      A t = 0;
-      for (int sl = 0; sl < a.rows_per_block; ++sl) t += acc[(int64_t(sl) * regions + r) * width + j];
-      out[j] = t;
+      for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[i][e] - c_g - xh[i][e] * c_gx);
+      store_vec(dxr + c * VEC, o);
     }
   }
+  A* partial = static_cast<A*>(a.partial);
+  const int64_t region = int64_t(gridDim.x) * a.hidden;
+  A* mine = partial + int64_t(blockIdx.x) * a.hidden;
+  if (a.has_scale) {
+    write_block_partial(dw, mine, a, slot_buf);
+    mine += region;
+  }
+  if (a.has_bias) write_block_partial(db, mine, a, slot_buf);
 }
 
 template <typename X, typename G, typename W, int VEC>
@@ -441,19 +406,6 @@ RowPlan plan_rows(int64_t rows, int64_t nvec, int per_thread, int sms) {
   return p;
 }
 
-// Resident blocks per multiprocessor, for sizing persistent grids.
-template <typename K>
-int blocks_per_sm(K kernel, int threads, size_t smem) {
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
-          cudaSuccess ||
-      n < 1) {
-    cudaGetLastError();
-    n = 1;
-  }
-  return n;
-}
-
 int grid_size(int64_t groups, int64_t cap) {
   return int(groups < cap ? groups : cap);
 }
@@ -465,10 +417,8 @@ ffi::Error launch_fwd_vec(cudaStream_t stream, int sms, FwdArgs a) {
   a.tpr = p.tpr;
   a.rows_per_block = p.rows_per_block;
   if (p.regs) {
-    const int threads = p.tpr * p.rows_per_block;
-    const int per_sm = blocks_per_sm(fwd_regs<X, Y, W, VEC>, threads, 0);
-    fwd_regs<X, Y, W, VEC>
-        <<<grid_size(p.groups, int64_t(per_sm) * sms), threads, 0, stream>>>(a);
+    fwd_regs<X, Y, W, VEC><<<grid_size(p.groups, 1 << 20),
+                             p.tpr * p.rows_per_block, 0, stream>>>(a);
   } else {
     fwd_long<X, Y, W, VEC>
         <<<grid_size(p.groups, 1 << 20), kLongThreads, 0, stream>>>(a);
@@ -485,23 +435,20 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, int sms,
   a.tpr = p.tpr;
   a.rows_per_block = p.rows_per_block;
   const int threads = p.regs ? p.tpr * p.rows_per_block : kLongThreads;
-  const int regions = int(a.has_scale) + int(a.has_bias);
-  size_t acc_bytes = p.regs ? size_t(p.tpr) * kBwdElems<A, VEC> * sizeof(A) * regions *
-                                  p.rows_per_block
-                            : 0;
+  const size_t slot_bytes =
+      p.regs && p.rows_per_block > 1
+          ? size_t(p.tpr) * (kBwdElems<A, VEC> / VEC) * VEC * sizeof(A)
+          : 0;
   auto kernel = p.regs ? bwd_regs<X, Y, W, VEC> : bwd_long<X, Y, W, VEC>;
-  if (acc_bytes > kMaxAccBytes) {  // rows too long for shared accumulators
-    kernel = bwd_long<X, Y, W, VEC>;
-    p.regs = false;
-    acc_bytes = 0;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads,
+                                                    slot_bytes) != cudaSuccess ||
+      per_sm < 1) {
+    cudaGetLastError();
+    per_sm = 1;
   }
-  if (acc_bytes > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           int(acc_bytes)) != cudaSuccess) {
-    return last_launch_error("row_norm_bwd (shared memory)");
-  }
-  const int per_sm = blocks_per_sm(kernel, p.regs ? threads : kLongThreads, acc_bytes);
   const int grid = grid_size(p.groups, int64_t(per_sm) * sms);
+  const int regions = int(a.has_scale) + int(a.has_bias);
   const size_t partial_bytes = size_t(regions) * grid * a.hidden * sizeof(A);
   if (regions > 0) {
     auto mem = scratch.Allocate(partial_bytes, 16);
@@ -516,7 +463,7 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, int sms,
       return last_launch_error("row_norm_bwd (memset)");
     }
   }
-  kernel<<<grid, p.regs ? threads : kLongThreads, acc_bytes, stream>>>(a);
+  kernel<<<grid, threads, slot_bytes, stream>>>(a);
   JAXNORM_RETURN_IF_ERROR(last_launch_error("row_norm_bwd"));
   if (regions == 0) return ffi::Error::Success();
   W* out0 = a.has_scale ? dscale : dbias;
