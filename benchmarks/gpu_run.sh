@@ -30,6 +30,16 @@ echo "== tests on the GPU"
 (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$repo/tests" 2>&1) | tee "$OUT/tests.log" | tail -15
 tests_rc=${PIPESTATUS[0]}
 
+echo "== kernel plans (C++, every register-path plan)"
+jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
+if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
+    benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
+  /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"
+  head -2 "$OUT/row_norm_plans.txt"
+else
+  tail -5 "$OUT/plans_build.log"
+fi
+
 echo "== benchmarks"
 (cd benchmarks && python3 bench_row_norm.py --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40
 exit "$tests_rc"

@@ -46,11 +46,126 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Packed {
   T v[N];
 };
 
+template <int N, typename T>
+__device__ __forceinline__ Packed<T, N> load_packed(const T* p) {
+  return *reinterpret_cast<const Packed<T, N>*>(p);
+}
+
 template <int N, typename A, typename T>
-__device__ __forceinline__ void load_vec(A (&out)[N], const T* p) {
-  Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p);
+__device__ __forceinline__ void unpack(A (&out)[N], const Packed<T, N>& pk) {
 #pragma unroll
   for (int i = 0; i < N; ++i) out[i] = to_acc(pk.v[i]);
+}
+
+// N elements of T held in registers as raw 32-bit words: two bf16/f16 share a
+// register (the compiler would give each 16-bit element a register of its own),
+// so a row held in registers costs its size in the input dtype. Converted to
+// the accumulation type at each use.
+template <typename T, int N, bool kPacked = (N * sizeof(T)) % 4 == 0>
+struct RegVec {
+  static constexpr int kWords = int(N * sizeof(T) / 4);
+  uint32_t w[kWords];
+
+  __device__ __forceinline__ void load(const T* p) {
+    auto pk = *reinterpret_cast<const Packed<uint32_t, kWords>*>(p);
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = pk.v[k];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) w[k] = 0;  // +0.0 in every float format
+  }
+  __device__ __forceinline__ void load_shared(const uint4* p) {
+    if constexpr (kWords == 4) {
+      const uint4 u = *p;
+      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    } else {
+      const auto* q = reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+      for (int k = 0; k < kWords; ++k) w[k] = q[k];
+    }
+  }
+  __device__ __forceinline__ acc_t<T> get(int e) const {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      const uint32_t word = w[e / 2];
+      return __uint_as_float(e % 2 ? word & 0xffff0000u : word << 16);
+    } else if constexpr (std::is_same_v<T, __half>) {
+      const uint32_t word = w[e / 2];
+      return __half2float(__ushort_as_half((unsigned short)(e % 2 ? word >> 16 : word)));
+    } else if constexpr (std::is_same_v<T, float>) {
+      return __uint_as_float(w[e]);
+    } else {
+      return __hiloint2double(int(w[2 * e + 1]), int(w[2 * e]));
+    }
+  }
+};
+
+// Asynchronous copies from global to shared memory that bypass registers
+// (cp.async, sm_80+): a thread issues copies, closes them into a group with
+// cp_async_commit(), and cp_async_wait<N>() waits until at most N of its groups
+// are still in flight. A copy is visible to the thread that issued it after the
+// wait, and to other threads after a barrier that follows it.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem)
+               : "memory");
+#else
+  *static_cast<uint4*>(smem) = *static_cast<const uint4*>(gmem);
+#endif
+}
+
+// Same, for one 4- or 8-byte value.
+template <typename T>
+__device__ __forceinline__ void cp_async_scalar(T* smem, const T* gmem) {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8);
+#if __CUDA_ARCH__ >= 800
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem),
+               "n"(int(sizeof(T)))
+               : "memory");
+#else
+  *smem = *gmem;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// A single 16-bit element: nothing to pack.
+template <typename T, int N>
+struct RegVec<T, N, false> {
+  T v[N];
+  __device__ __forceinline__ void load(const T* p) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = p[k];
+  }
+  __device__ __forceinline__ void zero() {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = from_acc<T>(0.0f);
+  }
+  __device__ __forceinline__ acc_t<T> get(int e) const { return to_acc(v[e]); }
+};
+
+template <int N, typename A, typename T>
+__device__ __forceinline__ void unpack(A (&out)[N], const RegVec<T, N>& r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = r.get(i);
+}
+
+template <int N, typename A, typename T>
+__device__ __forceinline__ void load_vec(A (&out)[N], const T* p) {
+  unpack(out, load_packed<N>(p));
 }
 
 template <int N, typename T, typename A>
@@ -58,6 +173,12 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
   Packed<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_acc<T>(in[i]);
+#if JAXNORM_STREAM_STORES
+  if constexpr (sizeof(pk) == 16) {
+    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&pk));
+    return;
+  }
+#endif
   *reinterpret_cast<Packed<T, N>*>(p) = pk;
 }
 
@@ -92,15 +213,40 @@ __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem) {
   __syncthreads();  // the next call may overwrite smem
 }
 
-inline ffi::Error last_launch_error(const char* what) {
-  cudaError_t err = cudaGetLastError();
+inline ffi::Error cuda_error(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string("jaxnorm: launching ") + what +
                               " failed: " + cudaGetErrorString(err));
 }
 
+inline ffi::Error last_launch_error(const char* what) {
+  return cuda_error(cudaGetLastError(), what);
+}
+
 inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory (beyond 48 KB a kernel
+// must opt in, and that limit counts its static shared memory too, hence the
+// margin).
+template <typename K>
+cudaError_t allow_dynamic_smem(K kernel, size_t bytes) {
+  if (bytes <= 40 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(bytes));
+}
+
+// Dynamic shared memory one block may opt in to, less a margin for the
+// kernels' static shared memory.
+inline size_t max_dynamic_smem(int device) {
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    n = 48 * 1024;
+  }
+  return size_t(n) - 1024;
 }
 
 inline int multiprocessor_count(int device) {

@@ -1,0 +1,242 @@
+// Times the row-norm CUDA kernels under every register-path plan (vectors per
+// thread), bf16, straight from C++ with CUDA graphs and events: the data the
+// planner in row_norm_kernels.cuh is chosen from. It also checks each plan's
+// output against a float64 host reference on sampled rows.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
+//        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
+//        benchmarks/kernels/row_norm_plans.cu -o row_norm_plans && ./row_norm_plans
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "cuda/row_norm_kernels.cuh"
+
+using namespace jaxnorm::cuda;
+using bf16 = __nv_bfloat16;
+
+void check_at(cudaError_t e, const char* file, int line) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "%s:%d %s\n", file, line, cudaGetErrorString(e));
+  std::exit(1);
+}
+#define CHECK(...) check_at((__VA_ARGS__), __FILE__, __LINE__)
+
+__global__ void fill(bf16* p, int64_t n, uint32_t seed, float offset) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = uint32_t(i) * 2654435761u ^ seed * 40503u;
+    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+    p[i] = __float2bfloat16(offset + (h % 20001) / 10000.0f - 1.0f);
+  }
+}
+
+// Median over `reps` of the time per call of `calls` launches in a graph (µs).
+template <typename F>
+float time_us(cudaStream_t s, F launch, int calls = 20, int reps = 7) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < calls; ++i) launch();
+  CHECK(cudaStreamEndCapture(s, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t t0, t1;
+  CHECK(cudaEventCreate(&t0));
+  CHECK(cudaEventCreate(&t1));
+  std::vector<float> ms;
+  CHECK(cudaGraphLaunch(exec, s));
+  for (int r = 0; r < reps; ++r) {
+    CHECK(cudaEventRecord(t0, s));
+    CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaEventRecord(t1, s));
+    CHECK(cudaEventSynchronize(t1));
+    float m;
+    CHECK(cudaEventElapsedTime(&m, t0, t1));
+    ms.push_back(m);
+  }
+  std::sort(ms.begin(), ms.end());
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  return ms[ms.size() / 2] * 1e3f / calls;
+}
+
+__global__ void copy_kernel(const uint4* in, uint4* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = in[i];
+  }
+}
+
+// Read + write bandwidth of a 1 GiB device-to-device copy kernel.
+float copy_gbps(cudaStream_t s, int sms) {
+  const size_t n = size_t(1) << 30;
+  void *a, *b;
+  CHECK(cudaMalloc(&a, n));
+  CHECK(cudaMalloc(&b, n));
+  CHECK(cudaMemsetAsync(a, 1, n, s));
+  float us = time_us(s, [&] {
+    copy_kernel<<<sms * 8, 256, 0, s>>>(static_cast<const uint4*>(a), static_cast<uint4*>(b),
+                                        int64_t(n / 16));
+  }, 5, 5);
+  CHECK(cudaFree(a));
+  CHECK(cudaFree(b));
+  return 2.0f * n / us / 1e3f;
+}
+
+std::vector<float> to_host(const void* p, size_t n, bool is_bf16) {
+  std::vector<float> out(n);
+  if (is_bf16) {
+    std::vector<bf16> h(n);
+    CHECK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(h[i]);
+  } else {
+    CHECK(cudaMemcpy(out.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+struct Case {
+  int64_t rows, hidden;
+  bool centered;
+};
+
+// Largest |got - want| / (1 + |want|) over sampled rows of y and dx, and over
+// all of dscale (float64 host reference).
+double check(const Case& c, const std::vector<float>& x, const std::vector<float>& w,
+             const std::vector<float>& b, const std::vector<float>& dy,
+             const std::vector<float>& y, const std::vector<float>& dx,
+             const std::vector<float>& dw) {
+  const int64_t H = c.hidden;
+  double err = 0;
+  std::vector<double> dw_ref(H, 0.0);
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const float* xr = &x[r * H];
+    const float* gr = &dy[r * H];
+    double mean = 0, var = 0;
+    if (c.centered) {
+      for (int64_t j = 0; j < H; ++j) mean += xr[j];
+      mean /= H;
+    }
+    for (int64_t j = 0; j < H; ++j) var += (xr[j] - mean) * (xr[j] - mean);
+    const double rstd = 1.0 / std::sqrt(var / H + 1e-5);
+    double sgx = 0, sg = 0;
+    for (int64_t j = 0; j < H; ++j) {
+      const double xh = (xr[j] - mean) * rstd, g = double(gr[j]) * w[j];
+      dw_ref[j] += gr[j] * xh;
+      sgx += g * xh;
+      sg += g;
+    }
+    if (r % 97 != 0 && r != c.rows - 1) continue;
+    for (int64_t j = 0; j < H; ++j) {
+      const double xh = (xr[j] - mean) * rstd, g = double(gr[j]) * w[j];
+      const double yr = xh * w[j] + (c.centered ? b[j] : 0.0);
+      const double dxr = rstd * (g - (c.centered ? sg / H : 0.0) - xh * sgx / H);
+      err = std::max(err, std::abs(y[r * H + j] - yr) / (1 + std::abs(yr)));
+      err = std::max(err, std::abs(dx[r * H + j] - dxr) / (1 + std::abs(dxr)));
+    }
+  }
+  for (int64_t j = 0; j < H; ++j) {
+    err = std::max(err, std::abs(dw[j] - dw_ref[j]) / (1 + std::abs(dw_ref[j])));
+  }
+  return err;
+}
+
+int main(int argc, char** argv) {
+  std::vector<Case> cases;
+  for (bool centered : {false, true}) {
+    for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
+             {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
+             {2048, 32768}, {512, 65536}, {256, 4096}, {64, 4096}, {1, 4096}}) {
+      cases.push_back({r, h, centered});
+    }
+  }
+  cudaStream_t s;
+  CHECK(cudaStreamCreate(&s));
+  int dev = 0, sms = 0;
+  CHECK(cudaGetDevice(&dev));
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, dev));
+  const float copy = copy_gbps(s, sms);
+  std::printf("device %s, %d SMs, copy %.0f GB/s\n", prop.name, sms, copy);
+  std::printf("%-3s %-9s %12s %3s %4s %3s %6s %6s %9s %6s %5s  %s\n", "op", "pass", "shape",
+              "nv", "tpr", "rpb", "grid", "smem", "us", "GB/s", "copy", "err");
+  constexpr int VEC = 8;
+  for (const Case& c : cases) {
+    const int64_t n = c.rows * c.hidden, H = c.hidden, nvec = H / VEC;
+    bf16 *x, *dy, *y, *dx, *w, *b, *dw, *dbias;
+    float *mean, *rstd, *partial;
+    for (bf16** p : {&x, &dy, &y, &dx}) CHECK(cudaMalloc(p, n * 2));
+    for (bf16** p : {&w, &b, &dw, &dbias}) CHECK(cudaMalloc(p, H * 2));
+    CHECK(cudaMalloc(&mean, c.rows * 4));
+    CHECK(cudaMalloc(&rstd, c.rows * 4));
+    CHECK(cudaMalloc(&partial, size_t(2) * 32 * sms * H * 4));
+    fill<<<1024, 256, 0, s>>>(x, n, 1, 0.5f);
+    fill<<<1024, 256, 0, s>>>(dy, n, 2, 0.0f);
+    fill<<<64, 256, 0, s>>>(w, H, 3, 1.0f);
+    fill<<<64, 256, 0, s>>>(b, H, 4, 0.0f);
+    const char* op = c.centered ? "ln" : "rms";
+    char shape[32];
+    std::snprintf(shape, sizeof shape, "%ldx%ld", long(c.rows), long(H));
+    FwdArgs fa{x, w, c.centered ? b : nullptr, y, mean, rstd, c.rows, H, 0, 0, 1e-5,
+               c.centered, true, c.centered, true, false};
+    BwdArgs ba{x, w, mean, rstd, dy, dx, partial, dw, c.centered ? dbias : nullptr,
+               c.rows, H, 0, 0, c.centered, true, c.centered, false};
+    const int regions = 1 + int(c.centered);
+    std::vector<float> hx, hw, hb, hdy;
+    const bool verify = n <= (int64_t(1) << 26);
+    if (verify) {
+      hx = to_host(x, n, true), hw = to_host(w, H, true), hb = to_host(b, H, true);
+      hdy = to_host(dy, n, true);
+    }
+    const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
+    const RowPlan bwd_plan =
+        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, sms, max_dynamic_smem(dev));
+    for (int nv : {2, 4, 8, 16}) {
+      if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
+     for (int one_row : {0, 1}) {
+      RowPlan p = plan_with_nv(c.rows, nvec, nv, sms);
+      if (one_row && p.rows_per_block == 1) continue;
+      if (one_row) p.rows_per_block = 1, p.groups = c.rows;
+      auto mark_of = [&](const RowPlan& q) {
+        return q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
+      };
+      const char* mark = mark_of(fwd_plan);
+      for (bool write_y : {true, false}) {
+        FwdArgs a = fa;
+        a.write_y = write_y;
+        float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, sms, p, a)); });
+        const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
+        std::printf("%-3s %-9s %12s %2d%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    write_y ? "fwd" : "stats", shape, nv, mark, p.tpr, p.rows_per_block,
+                    long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      }
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, sms, p, fa));
+      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > max_dynamic_smem(dev)) continue;
+      if (nv > kMaxBwdNv) continue;
+      mark = mark_of(bwd_plan);
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, sms);
+      float us = time_us(s, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+      const double bytes = 3.0 * n * 2;
+      double err = -1;
+      if (verify) {
+        CHECK(cudaStreamSynchronize(s));
+        err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
+                    to_host(dw, H, true));
+      }
+      std::printf("%-3s %-9s %12s %2d%s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op,
+                  "bwd", shape, nv, mark, p.tpr, p.rows_per_block, l.grid, l.smem, us,
+                  bytes / us / 1e3, 100 * bytes / us / 1e3 / copy, err);
+     }
+    }
+    CHECK(cudaStreamSynchronize(s));
+    for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)w, (void*)b,
+                    (void*)dw, (void*)dbias, (void*)mean, (void*)rstd, (void*)partial}) {
+      CHECK(cudaFree(p));
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}

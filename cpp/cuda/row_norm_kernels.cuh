@@ -1,0 +1,802 @@
+// CUDA kernels for the row norms, RMSNorm (centered = false) and LayerNorm
+// (centered = true), forward and backward, with the launch planning. The FFI
+// handlers are in row_norm.cu; benchmarks/kernels/ times the plans directly.
+//
+// Register path: a row is split over `tpr` threads that each hold NV 16-byte
+// vectors of it in registers, packed in the input dtype (bf16 stays bf16: half
+// the registers of fp32), so x and dy are read from DRAM exactly once. Every
+// load a row needs (x, dy, scale, bias, statistics) is issued before the first
+// reduction: one memory round trip per row, which is what decides the time of
+// small (decode) shapes and keeps loads in flight on large ones. Short rows
+// pack several rows into one block. Rows too long for registers take the long
+// path: one block per row, re-reading the row (mostly from L2) for each pass.
+//
+// Backward: a persistent grid. Each thread owns the same columns for every row
+// it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
+// of shared memory (no atomics, no registers held across rows). Each block then
+// writes one partial row, and a second kernel sums the partials in a fixed
+// order: gradients are bitwise reproducible. A grid of one block writes the
+// gradients itself.
+#pragma once
+
+#include "cuda/common.cuh"
+
+namespace jaxnorm::cuda {
+
+constexpr int kMaxRowThreads = 512;  // register path, per row and per block
+constexpr int kLongThreads = 1024;   // long path
+constexpr int kBlockTarget = 256;    // threads per block when rows are short
+constexpr int kMaxNv = 16;           // vectors per thread, register path
+constexpr int kMaxBwdNv = 4;         // (the backward holds x and dy)
+constexpr size_t kTwoBlocksSmem = 110 * 1024;  // two blocks per SM still fit
+// Scale and bias are staged in shared memory up to this size.
+constexpr size_t kMaxStagedParams = 32 * 1024;
+
+struct FwdArgs {
+  const void* x;
+  const void* scale;
+  const void* bias;
+  void* y;
+  void* mean;
+  void* rstd;
+  int64_t rows, hidden;
+  int tpr, rows_per_block;
+  double epsilon;
+  bool centered, has_scale, has_bias, write_y;
+  bool stage_params;  // scale/bias staged in shared memory
+};
+
+struct BwdArgs {
+  const void* x;
+  const void* scale;
+  const void* mean;
+  const void* rstd;
+  const void* dy;
+  void* dx;
+  void* partial;  // [regions][gridDim.x][hidden] fp32 (fp64), or
+  void* dscale;   // with one block, the gradients themselves
+  void* dbias;
+  int64_t rows, hidden;
+  int tpr, rows_per_block;
+  bool centered, has_scale, has_bias;
+  bool stage_params;  // scale staged in shared memory, after the accumulators
+};
+
+// How a launch covers the rows. nv = 0 means the long path.
+struct RowPlan {
+  int nv = 0;           // 16-byte vectors per thread
+  int tpr = 0;          // threads per row
+  int rows_per_block = 1;
+  int64_t groups = 0;   // blocks' worth of rows
+  int threads() const { return nv ? tpr * rows_per_block : kLongThreads; }
+};
+
+// Threads for a row of `nvec` vectors at `nv` per thread: a power of two up to
+// a warp, then whole warps.
+inline int threads_per_row(int64_t nvec, int nv) {
+  const int64_t need = (nvec + nv - 1) / nv;
+  if (need > 32) return int((need + 31) / 32 * 32);
+  int tpr = 1;
+  while (tpr < need) tpr *= 2;
+  return tpr;
+}
+
+// The plan for a given nv (0: long path). Blocks hold about kBlockTarget
+// threads; with few rows, fewer rows per block so that more SMs take part.
+inline RowPlan plan_with_nv(int64_t rows, int64_t nvec, int nv, int sms) {
+  RowPlan p;
+  p.nv = nv;
+  if (nv == 0) {
+    p.groups = rows;
+    return p;
+  }
+  p.tpr = threads_per_row(nvec, nv);
+  int rpb = p.tpr >= kBlockTarget ? 1 : kBlockTarget / p.tpr;
+  while (rpb > 1 && (rows + rpb - 1) / rpb < 2 * int64_t(sms)) rpb /= 2;
+  p.rows_per_block = rpb;
+  p.groups = (rows + rpb - 1) / rpb;
+  return p;
+}
+
+// The plans below were chosen from benchmarks/kernels/row_norm_plans.cu on an
+// H200 (results in benchmarks/NOTES.md); nvec counts 16-byte vectors, so the
+// same rules serve every dtype.
+//
+// Few rows (decode): nothing to hide latency behind, so spread each row over
+// more threads (2 vectors each) to shorten every thread's chain of loads.
+inline bool few_rows(int64_t rows, int sms) { return rows <= 4 * int64_t(sms); }
+
+// Forward (and the statistics-only forward). Rows of up to 128 vectors: 4 per
+// thread, several rows per block, staged. Up to 512: 8 per thread straight to
+// registers, one row per (small) block. Up to 2048: 4 per thread, staged.
+// Longer: 16 per thread in registers, then the long path.
+inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
+  if (vec == 1) return plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
+  if (few_rows(rows, sms) && nvec <= 2 * kMaxRowThreads) {
+    RowPlan p = plan_with_nv(rows, nvec, 2, sms);
+    if (p.tpr >= 64) p.rows_per_block = 1, p.groups = rows;
+    return p;
+  }
+  if (nvec <= 128) return plan_with_nv(rows, nvec, 4, sms);
+  if (nvec <= 512) {
+    RowPlan p = plan_with_nv(rows, nvec, 8, sms);
+    p.rows_per_block = 1;
+    p.groups = rows;
+    return p;
+  }
+  if (nvec <= 4 * kMaxRowThreads) return plan_with_nv(rows, nvec, 4, sms);
+  return plan_with_nv(rows, nvec, nvec <= 16 * kMaxRowThreads ? 16 : 0, sms);
+}
+
+// Calls f(std::integral_constant<int, NV>) for the instantiation that serves
+// nv: 2, 4, 8 or 16 vectors a thread (at most kMax), 4 elements when VEC = 1.
+template <int VEC, int kMax = kMaxNv, typename F>
+auto with_nv(int nv, F&& f) {
+  if constexpr (VEC == 1) {
+    return f(std::integral_constant<int, 4>{});
+  } else {
+    if (nv <= 2) return f(std::integral_constant<int, 2>{});
+    if constexpr (kMax >= 8) {
+      if (nv > 4) {
+        if constexpr (kMax >= 16) {
+          if (nv > 8) return f(std::integral_constant<int, 16>{});
+        }
+        return f(std::integral_constant<int, 8>{});
+      }
+    }
+    return f(std::integral_constant<int, 4>{});
+  }
+}
+
+// Vector c of a row when it is in the row, else zeros.
+template <int VEC, typename T>
+__device__ __forceinline__ RegVec<T, VEC> load_or_zero(const T* row, int64_t c,
+                                                       bool in) {
+  RegVec<T, VEC> v;
+  v.zero();
+  if (in) v.load(row + c * VEC);
+  return v;
+}
+
+// Starts copying scale and bias into shared memory, 16 bytes at a time, and
+// points `scale` and `bias` at the copies. They complete with the thread's next
+// cp.async group.
+template <typename W>
+__device__ __forceinline__ void stage_params(const W*& scale, const W*& bias,
+                                             int64_t hidden, W* smem) {
+  W* staged_bias = smem + (scale ? hidden : 0);
+  const int64_t chunks = hidden * int64_t(sizeof(W)) / 16;
+  for (int64_t k = threadIdx.x; k < chunks; k += blockDim.x) {
+    if (scale) cp_async16(reinterpret_cast<uint4*>(smem) + k,
+                          reinterpret_cast<const uint4*>(scale) + k);
+    if (bias) cp_async16(reinterpret_cast<uint4*>(staged_bias) + k,
+                         reinterpret_cast<const uint4*>(bias) + k);
+  }
+  if (scale) scale = smem;
+  if (bias) bias = staged_bias;
+}
+
+// Shared memory for staged scale and bias, or 0 when they are read from global
+// memory (the element-wise path, rows not a whole number of 16-byte chunks,
+// or parameters too large to stage).
+template <typename W, int VEC>
+size_t staged_param_bytes(int64_t hidden, int params) {
+  const size_t bytes = size_t(params) * hidden * sizeof(W);
+  const bool whole = hidden * sizeof(W) % 16 == 0;
+  return VEC > 1 && whole && bytes <= kMaxStagedParams ? bytes : 0;
+}
+
+// The register path streams rows through a ring of shared-memory stages:
+// while a thread works on one row, the cp.async copies of its next rows are in
+// flight, so the bytes in flight do not cost registers. Each thread copies and
+// reads only its own vectors (vector i of thread t of tensor k in stage s at
+// ((s * kTensors + k) * NV + i) * blockDim + t: a warp reads 512 consecutive
+// bytes), so a stage needs no barrier. The element-wise path (VEC = 1) loads
+// straight into registers.
+#ifndef JAXNORM_FWD_STAGES
+#define JAXNORM_FWD_STAGES 3
+#endif
+template <int VEC, int NV, int kTensors>
+struct Ring {
+  // Long rows (8+ vectors a thread) have enough bytes in flight per thread
+  // without staging; their stages would not fit in shared memory either.
+  static constexpr bool kStaged = VEC > 1 && NV <= 4;
+  static constexpr int kStages = kStaged ? (kTensors == 1 ? JAXNORM_FWD_STAGES : 2) : 1;
+  uint4* base;
+
+  static __host__ __device__ size_t bytes(int threads) {
+    return kStaged ? size_t(kStages) * kTensors * NV * threads * sizeof(uint4) : 0;
+  }
+  __device__ uint4* at(int stage, int k, int i) const {
+    return base + ((stage * kTensors + k) * NV + i) * blockDim.x + threadIdx.x;
+  }
+  // Starts the copies of the thread's vectors of `row` (nullptr: none).
+  template <typename T>
+  __device__ void issue(int stage, int k, const T* row, int lane, int tpr,
+                        int64_t nvec) const {
+    if constexpr (kStaged) {
+      if (row == nullptr) return;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        const int64_t c = lane + int64_t(i) * tpr;
+        if (c < nvec) cp_async16(at(stage, k, i), row + c * VEC);
+      }
+    }
+  }
+  // The thread's vectors of `row`, zeros where there are none.
+  template <typename T>
+  __device__ void read(RegVec<T, VEC> (&v)[NV], int stage, int k, const T* row,
+                       bool valid, int lane, int tpr, int64_t nvec) const {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * tpr;
+      if constexpr (kStaged) {
+        v[i].zero();
+        if (valid && c < nvec) v[i].load_shared(at(stage, k, i));
+      } else {
+        v[i] = load_or_zero<VEC>(row, c, valid && c < nvec);
+      }
+    }
+  }
+};
+
+// ----------------------------------------------------------------- forward
+
+template <typename X, typename Y, typename W, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
+  using A = acc_t<X>;
+  using R = Ring<VEC, NV, 1>;
+  constexpr int S = R::kStages;
+  __shared__ A smem[32];
+  extern __shared__ __align__(16) unsigned char dyn[];
+  const R ring{reinterpret_cast<uint4*>(dyn)};
+  const int lane = threadIdx.x % a.tpr;
+  const int slot = threadIdx.x / a.tpr;
+  const int64_t nvec = a.hidden / VEC;
+  const A inv_n = A(1) / A(a.hidden);
+  const bool use_w = a.write_y && a.has_scale, use_b = a.write_y && a.has_bias;
+  const W* w_src = use_w ? static_cast<const W*>(a.scale) : nullptr;
+  const W* b_src = use_b ? static_cast<const W*>(a.bias) : nullptr;
+  if (a.stage_params && a.write_y) {
+    stage_params(w_src, b_src, a.hidden,
+                      reinterpret_cast<W*>(dyn + R::bytes(blockDim.x)));
+  }
+  auto row_ptr = [&](int64_t g) -> const X* {  // this thread's row of group g
+    const int64_t row = g * a.rows_per_block + slot;
+    return row < a.rows ? static_cast<const X*>(a.x) + row * a.hidden : nullptr;
+  };
+  for (int s = 0; s + 1 < S; ++s) {
+    ring.issue(s, 0, row_ptr(blockIdx.x + int64_t(s) * gridDim.x), lane, a.tpr, nvec);
+    cp_async_commit();
+  }
+  int stage = 0;
+  for (int64_t g = blockIdx.x; g * a.rows_per_block < a.rows; g += gridDim.x) {
+    ring.issue((stage + S - 1) % S, 0, row_ptr(g + int64_t(S - 1) * gridDim.x), lane,
+               a.tpr, nvec);
+    cp_async_commit();
+    cp_async_wait<S - 1>();
+    const int64_t row = g * a.rows_per_block + slot;
+    const bool valid = row < a.rows;
+    RegVec<X, VEC> xv[NV];
+    ring.read(xv, stage, 0, row_ptr(g), valid, lane, a.tpr, nvec);
+    stage = (stage + 1) % S;
+    A mean = 0;
+    if (a.centered) {
+      A s[1] = {0};
+#pragma unroll
+      for (int i = 0; i < NV; ++i)
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
+      row_sum(s, a.tpr, smem);
+      mean = s[0] * inv_n;
+    }
+    A ss[1] = {0};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (lane + int64_t(i) * a.tpr >= nvec) continue;
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
+    }
+    row_sum(ss, a.tpr, smem);
+    const A rstd = rsqrt_acc(ss[0] * inv_n + A(a.epsilon));
+    if (valid && lane == 0) {
+      if (a.centered) static_cast<A*>(a.mean)[row] = mean;
+      static_cast<A*>(a.rstd)[row] = rstd;
+    }
+    if (!a.write_y) continue;
+    if (a.stage_params) __syncthreads();  // every thread's parameter copies
+    if (!valid) continue;
+    Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * a.tpr;
+      if (c >= nvec) continue;
+      A o[VEC], w[VEC], b[VEC];
+      if (use_w) load_vec(w, w_src + c * VEC);
+      if (use_b) load_vec(b, b_src + c * VEC);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        o[e] = (xv[i].get(e) - mean) * rstd;
+        if (use_w) o[e] *= w[e];
+        if (use_b) o[e] += b[e];
+      }
+      store_vec(yr + c * VEC, o);
+    }
+  }
+  cp_async_wait<0>();  // no copy may outlive the block
+}
+
+// Sum over a row of f(x_vector) on the long path (one block per row).
+template <int VEC, typename A, typename T, typename F>
+__device__ __forceinline__ A long_row_sum(const T* row, int64_t nvec, A* smem,
+                                          F f) {
+  A s[1] = {0};
+  for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+    A v[VEC];
+    load_vec(v, row + c * VEC);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) s[0] += f(v[e]);
+  }
+  row_sum(s, blockDim.x, smem);
+  return s[0];
+}
+
+template <typename X, typename Y, typename W, int VEC>
+__global__ void __launch_bounds__(kLongThreads) fwd_long(FwdArgs a) {
+  using A = acc_t<X>;
+  __shared__ A smem[32];
+  const int64_t nvec = a.hidden / VEC;
+  const A inv_n = A(1) / A(a.hidden);
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const X* xr = static_cast<const X*>(a.x) + row * a.hidden;
+    A mean = 0;
+    if (a.centered) {
+      mean = long_row_sum<VEC>(xr, nvec, smem, [](A v) { return v; }) * inv_n;
+    }
+    const A var = long_row_sum<VEC>(xr, nvec, smem, [mean](A v) {
+                    return (v - mean) * (v - mean);
+                  }) * inv_n;
+    const A rstd = rsqrt_acc(var + A(a.epsilon));
+    if (threadIdx.x == 0) {
+      if (a.centered) static_cast<A*>(a.mean)[row] = mean;
+      static_cast<A*>(a.rstd)[row] = rstd;
+    }
+    if (!a.write_y) continue;
+    Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      A o[VEC], w[VEC], b[VEC];
+      load_vec(o, xr + c * VEC);
+      if (a.has_scale) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+      if (a.has_bias) load_vec(b, static_cast<const W*>(a.bias) + c * VEC);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        o[e] = (o[e] - mean) * rstd;
+        if (a.has_scale) o[e] *= w[e];
+        if (a.has_bias) o[e] += b[e];
+      }
+      store_vec(yr + c * VEC, o);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward
+//
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale, with the
+// mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat, dbias = sum dy.
+
+// The backward's shared-memory accumulators are chunks of at most 16 bytes;
+// thread (slot, lane) keeps element chunk h of its vector i at chunk index
+// (i * kChunks + h) * tpr + lane of its slot's region, so that a warp's
+// accesses are consecutive (no bank conflicts).
+template <typename A, int VEC>
+struct AccLayout {
+  static constexpr int K = VEC * sizeof(A) > 16 ? int(16 / sizeof(A)) : VEC;
+  static constexpr int kChunks = VEC / K;
+  using Chunk = Packed<A, K>;
+};
+
+// acc[j] += v, chunk by chunk.
+template <typename A, int VEC>
+__device__ __forceinline__ void accumulate(typename AccLayout<A, VEC>::Chunk* acc,
+                                           int stride, const A (&v)[VEC]) {
+  using L = AccLayout<A, VEC>;
+#pragma unroll
+  for (int h = 0; h < L::kChunks; ++h) {
+    typename L::Chunk ch = acc[h * stride];
+#pragma unroll
+    for (int k = 0; k < L::K; ++k) ch.v[k] += v[h * L::K + k];
+    acc[h * stride] = ch;
+  }
+}
+
+// Sums the block's slots in slot order and writes the block's partial row (or,
+// with a grid of one block, the gradient itself in W). All threads must call it.
+template <typename W, int VEC, typename A>
+__device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
+                                 int regions, int nv, const BwdArgs& a) {
+  using L = AccLayout<A, VEC>;
+  const int per_slot = nv * L::kChunks * a.tpr;
+  const int64_t nvec = a.hidden / VEC;
+  __syncthreads();
+  for (int r = 0; r < regions; ++r) {
+    const auto* region = acc + int64_t(r) * a.rows_per_block * per_slot;
+    for (int j = threadIdx.x; j < per_slot; j += blockDim.x) {
+      const int lane = j % a.tpr, ih = j / a.tpr;
+      const int64_t c = lane + int64_t(ih / L::kChunks) * a.tpr;
+      if (c >= nvec) continue;
+      const int64_t col = c * VEC + (ih % L::kChunks) * L::K;
+      typename L::Chunk sum = region[j];
+      for (int s = 1; s < a.rows_per_block; ++s) {
+#pragma unroll
+        for (int k = 0; k < L::K; ++k) sum.v[k] += region[s * per_slot + j].v[k];
+      }
+      if (gridDim.x == 1) {
+        bool dbias = r == 1 || !a.has_scale;
+        W* out = static_cast<W*>(dbias ? a.dbias : a.dscale) + col;
+#pragma unroll
+        for (int k = 0; k < L::K; ++k) out[k] = from_acc<W>(sum.v[k]);
+      } else {
+        A* out = static_cast<A*>(a.partial) +
+                 (int64_t(r) * gridDim.x + blockIdx.x) * a.hidden + col;
+        *reinterpret_cast<typename L::Chunk*>(out) = sum;
+      }
+    }
+  }
+}
+
+// Shared memory of the backward, in order: the ring (x, dy), the per-thread
+// statistics of each stage (mean, rstd), the dscale/dbias accumulators, and the
+// staged scale.
+template <typename A, int VEC, int NV>
+struct BwdSmem {
+  using R = Ring<VEC, NV, 2>;
+  static __host__ __device__ size_t stats(int threads) {
+    return R::bytes(threads);
+  }
+  static __host__ __device__ size_t acc(int threads) {
+    return stats(threads) + (R::kStaged ? size_t(R::kStages) * 2 * threads * sizeof(A) : 0);
+  }
+  static __host__ __device__ size_t scale(int threads, int regions) {
+    return acc(threads) + size_t(regions) * threads * NV * VEC * sizeof(A);
+  }
+};
+
+template <typename X, typename G, typename W, int VEC, int NV>
+__global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
+  using A = acc_t<X>;
+  using L = AccLayout<A, VEC>;
+  using R = Ring<VEC, NV, 2>;
+  using M = BwdSmem<A, VEC, NV>;
+  constexpr int S = R::kStages;
+  __shared__ A smem[32 * 2];
+  extern __shared__ __align__(16) unsigned char dyn[];
+  const R ring{reinterpret_cast<uint4*>(dyn)};
+  const int lane = threadIdx.x % a.tpr;
+  const int slot = threadIdx.x / a.tpr;
+  const int64_t nvec = a.hidden / VEC;
+  const A inv_n = A(1) / A(a.hidden);
+  const int regions = int(a.has_scale) + int(a.has_bias);
+  const int per_slot = NV * L::kChunks * a.tpr;
+  A* stats = reinterpret_cast<A*>(dyn + M::stats(blockDim.x));  // [stage][2][thread]
+  auto* acc = reinterpret_cast<typename L::Chunk*>(dyn + M::acc(blockDim.x));
+  auto* dw = acc + slot * per_slot + lane;  // this thread's dscale chunks
+  auto* db = dw + (a.has_scale ? a.rows_per_block * per_slot : 0);
+  for (int j = 0; j < NV * L::kChunks; ++j) {
+    if (a.has_scale) dw[j * a.tpr] = typename L::Chunk{};
+    if (a.has_bias) db[j * a.tpr] = typename L::Chunk{};
+  }
+  const W* w_src = a.has_scale ? static_cast<const W*>(a.scale) : nullptr;
+  if (a.stage_params) {
+    const W* no_bias = nullptr;
+    stage_params(w_src, no_bias, a.hidden,
+                      reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
+  }
+  // Starts the copies of group g's row: x, dy and the row's statistics.
+  auto issue = [&](int stage, int64_t g) {
+    const int64_t row = g * a.rows_per_block + slot;
+    if constexpr (R::kStaged) {
+      if (row >= a.rows) return;
+      const int64_t base = row * a.hidden;
+      ring.issue(stage, 0, static_cast<const X*>(a.x) + base, lane, a.tpr, nvec);
+      ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, lane, a.tpr, nvec);
+      A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
+      if (a.centered) cp_async_scalar(st, static_cast<const A*>(a.mean) + row);
+      cp_async_scalar(st + blockDim.x, static_cast<const A*>(a.rstd) + row);
+    }
+  };
+  for (int s = 0; s + 1 < S; ++s) {
+    issue(s, blockIdx.x + int64_t(s) * gridDim.x);
+    cp_async_commit();
+  }
+  int stage = 0;
+  for (int64_t grp = blockIdx.x; grp * a.rows_per_block < a.rows; grp += gridDim.x) {
+    issue((stage + S - 1) % S, grp + int64_t(S - 1) * gridDim.x);
+    cp_async_commit();
+    cp_async_wait<S - 1>();
+    const int64_t row = grp * a.rows_per_block + slot;
+    const bool valid = row < a.rows;
+    const int64_t base = row * a.hidden;
+    RegVec<X, VEC> xv[NV];
+    RegVec<G, VEC> gv[NV];
+    ring.read(xv, stage, 0, static_cast<const X*>(a.x) + base, valid, lane, a.tpr, nvec);
+    ring.read(gv, stage, 1, static_cast<const G*>(a.dy) + base, valid, lane, a.tpr, nvec);
+    A mean = 0, rstd = 0;
+    if (valid) {
+      if constexpr (R::kStaged) {
+        const A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
+        mean = a.centered ? st[0] : A(0);
+        rstd = st[blockDim.x];
+      } else {
+        mean = a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
+        rstd = static_cast<const A*>(a.rstd)[row];
+      }
+    }
+    stage = (stage + 1) % S;
+    if (a.stage_params) __syncthreads();  // every thread's scale copies
+    // xhat and g = dy * scale for vector i, from the registers.
+    auto xhat_g = [&](int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
+      A w[VEC];
+      unpack(xh, xv[i]);
+      unpack(d, gv[i]);
+      if (a.has_scale) load_vec(w, w_src + (lane + int64_t(i) * a.tpr) * VEC);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        xh[e] = (xh[e] - mean) * rstd;
+        g[e] = a.has_scale ? d[e] * w[e] : d[e];
+      }
+    };
+    A s[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (lane + int64_t(i) * a.tpr >= nvec) continue;
+      A xh[VEC], d[VEC], g[VEC];
+      xhat_g(i, xh, d, g);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        s[0] += g[e] * xh[e];
+        s[1] += g[e];
+      }
+      if (!valid) continue;
+      if (a.has_bias) accumulate<A, VEC>(db + i * L::kChunks * a.tpr, a.tpr, d);
+      if (a.has_scale) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) d[e] *= xh[e];
+        accumulate<A, VEC>(dw + i * L::kChunks * a.tpr, a.tpr, d);
+      }
+    }
+    row_sum(s, a.tpr, smem);
+    const A c_gx = s[0] * inv_n;
+    const A c_g = a.centered ? s[1] * inv_n : A(0);
+    if (!valid) continue;
+    X* dxr = static_cast<X*>(a.dx) + base;
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      const int64_t c = lane + int64_t(i) * a.tpr;
+      if (c >= nvec) continue;
+      A xh[VEC], d[VEC], g[VEC], o[VEC];
+      xhat_g(i, xh, d, g);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+      store_vec(dxr + c * VEC, o);
+    }
+  }
+  cp_async_wait<0>();
+  write_block_sums<W, VEC, A>(acc, regions, NV, a);
+}
+
+template <typename X, typename G, typename W, int VEC>
+__global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
+  using A = acc_t<X>;
+  __shared__ A smem[32 * 2];
+  const int64_t nvec = a.hidden / VEC;
+  const A inv_n = A(1) / A(a.hidden);
+  A* pw = static_cast<A*>(a.partial) + int64_t(blockIdx.x) * a.hidden;
+  A* pb = pw + (a.has_scale ? int64_t(gridDim.x) * a.hidden : 0);
+  // Reads x, dy (and scale) at vector c of a row: returns xhat and g.
+  auto load = [&](int64_t base, int64_t c, A mean, A rstd, A (&xh)[VEC],
+                  A (&d)[VEC], A (&g)[VEC]) {
+    load_vec(xh, static_cast<const X*>(a.x) + base + c * VEC);
+    load_vec(d, static_cast<const G*>(a.dy) + base + c * VEC);
+    A w[VEC];
+    if (a.has_scale) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      xh[e] = (xh[e] - mean) * rstd;
+      g[e] = a.has_scale ? d[e] * w[e] : d[e];
+    }
+  };
+  for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
+    const int64_t base = row * a.hidden;
+    const A mean = a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
+    const A rstd = static_cast<const A*>(a.rstd)[row];
+    A s[2] = {0, 0};
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      A xh[VEC], d[VEC], g[VEC];
+      load(base, c, mean, rstd, xh, d, g);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        s[0] += g[e] * xh[e];
+        s[1] += g[e];
+      }
+    }
+    row_sum(s, blockDim.x, smem);
+    const A c_gx = s[0] * inv_n;
+    const A c_g = a.centered ? s[1] * inv_n : A(0);
+    X* dxr = static_cast<X*>(a.dx) + base;
+    for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+      A xh[VEC], d[VEC], g[VEC], o[VEC];
+      load(base, c, mean, rstd, xh, d, g);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+        if (a.has_scale) pw[c * VEC + e] += d[e] * xh[e];
+        if (a.has_bias) pb[c * VEC + e] += d[e];
+      }
+      store_vec(dxr + c * VEC, o);
+    }
+  }
+}
+
+// out[j] = sum over p of partial[p][j], p in increasing order. blockIdx.y picks
+// the region (dscale, then dbias).
+template <typename W, typename A>
+__global__ void sum_partials(const A* partial, int64_t parts, int64_t hidden,
+                             W* out0, W* out1) {
+  __shared__ A tile[8][33];
+  const A* p = partial + int64_t(blockIdx.y) * parts * hidden;
+  W* out = blockIdx.y == 0 ? out0 : out1;
+  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
+  A s = 0;
+  if (col < hidden) {
+#pragma unroll 4
+    for (int64_t r = threadIdx.y; r < parts; r += 8) s += p[r * hidden + col];
+  }
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= hidden) return;
+  A t = 0;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) t += tile[k][threadIdx.x];
+  out[col] = from_acc<W>(t);
+}
+
+// ------------------------------------------------------------------ launch
+
+inline int grid_size(int64_t groups, int64_t cap) {
+  return int(groups < cap ? groups : cap);
+}
+
+// Blocks of `kernel` that fit on one SM at once (at least 1).
+template <typename K>
+int blocks_per_sm(K kernel, int threads, size_t smem) {
+  int n = 0;
+  if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
+          cudaSuccess ||
+      n < 1) {
+    cudaGetLastError();
+    n = 1;
+  }
+  return n;
+}
+
+// The forward: one block per row group up to a full persistent grid.
+template <typename X, typename Y, typename W, int VEC>
+cudaError_t launch_fwd(cudaStream_t stream, int sms, const RowPlan& p, FwdArgs a) {
+  a.tpr = p.tpr;
+  a.rows_per_block = p.rows_per_block;
+  if (p.nv == 0) {
+    fwd_long<X, Y, W, VEC><<<grid_size(p.groups, 1 << 30), kLongThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  }
+  const size_t staged =
+      a.write_y ? staged_param_bytes<W, VEC>(a.hidden, int(a.has_scale) + int(a.has_bias)) : 0;
+  a.stage_params = staged > 0;
+  return with_nv<VEC>(p.nv, [&](auto nv) {
+    auto kernel = fwd_regs<X, Y, W, VEC, decltype(nv)::value>;
+    const size_t smem = Ring<VEC, decltype(nv)::value, 1>::bytes(p.threads()) + staged;
+    const int grid =
+        grid_size(p.groups, int64_t(blocks_per_sm(kernel, p.threads(), smem)) * sms);
+    kernel<<<grid, p.threads(), smem, stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+// A backward launch: its plan, its kernel and how many blocks it runs.
+template <typename X, typename G, typename W, int VEC>
+struct BwdLaunch {
+  using A = acc_t<X>;
+  using Kernel = void (*)(BwdArgs);
+  RowPlan plan;
+  Kernel kernel = nullptr;
+  size_t smem = 0;
+  int grid = 0;
+  int regions = 0;
+  bool stage_scale = false;
+
+  size_t partial_bytes(int64_t hidden) const {
+    return grid > 1 || plan.nv == 0 ? size_t(regions) * grid * hidden * sizeof(A) : 0;
+  }
+};
+
+// Shared memory the backward's register path needs under `plan`.
+template <typename X, typename W, int VEC>
+size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
+  return with_nv<VEC, kMaxBwdNv>(plan.nv, [&](auto nv) {
+    return BwdSmem<acc_t<X>, VEC, decltype(nv)::value>::scale(plan.threads(), regions) +
+           staged_param_bytes<W, VEC>(hidden, int(has_scale));
+  });
+}
+
+// Backward rows: as the forward for few rows; else 4 vectors a thread (8 or
+// more spill: the backward holds x and dy), with as many rows per block as
+// keep two blocks on an SM, or the long path when a row does not fit.
+template <typename X, typename W, int VEC>
+RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions, int sms,
+                      size_t smem_limit) {
+  const int64_t nvec = hidden / VEC;
+  RowPlan p;
+  if (VEC == 1) {
+    p = plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
+  } else if (few_rows(rows, sms) && nvec <= 2 * kMaxRowThreads) {
+    p = plan_with_nv(rows, nvec, 2, sms);
+    if (p.tpr >= 64) p.rows_per_block = 1, p.groups = rows;
+  } else {
+    p = plan_with_nv(rows, nvec, nvec <= kMaxBwdNv * kMaxRowThreads ? kMaxBwdNv : 0, sms);
+  }
+  if (p.nv == 0) return p;
+  while (p.rows_per_block > 1 &&
+         bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > kTwoBlocksSmem) {
+    p.rows_per_block /= 2;
+    p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
+  }
+  if (bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > smem_limit) {
+    return plan_with_nv(rows, nvec, 0, sms);
+  }
+  return p;
+}
+
+template <typename X, typename G, typename W, int VEC>
+BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_scale,
+                                 int regions, int sms) {
+  BwdLaunch<X, G, W, VEC> l;
+  l.plan = plan;
+  l.regions = regions;
+  if (plan.nv == 0) {
+    l.kernel = bwd_long<X, G, W, VEC>;
+  } else {
+    l.kernel = with_nv<VEC, kMaxBwdNv>(plan.nv, [](auto nv) {
+      return &bwd_regs<X, G, W, VEC, decltype(nv)::value>;
+    });
+    l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
+    l.smem = bwd_smem_bytes<X, W, VEC>(plan, hidden, has_scale, regions);
+  }
+  l.grid = grid_size(plan.groups,
+                     int64_t(blocks_per_sm(l.kernel, plan.threads(), l.smem)) * sms);
+  return l;
+}
+
+// Runs the backward with `a.partial` pointing at partial_bytes() of scratch.
+template <typename X, typename G, typename W, int VEC>
+cudaError_t launch_bwd(cudaStream_t stream, const BwdLaunch<X, G, W, VEC>& l,
+                       BwdArgs a) {
+  using A = acc_t<X>;
+  a.tpr = l.plan.tpr;
+  a.rows_per_block = l.plan.rows_per_block;
+  a.stage_params = l.stage_scale;
+  const size_t partial = l.partial_bytes(a.hidden);
+  if (l.plan.nv == 0 && partial > 0) {
+    cudaError_t err = cudaMemsetAsync(a.partial, 0, partial, stream);
+    if (err != cudaSuccess) return err;
+  }
+  l.kernel<<<l.grid, l.plan.threads(), l.smem, stream>>>(a);
+  if (partial == 0) return cudaGetLastError();
+  W* out0 = static_cast<W*>(a.has_scale ? a.dscale : a.dbias);
+  dim3 sum_grid(unsigned((a.hidden + 31) / 32), unsigned(l.regions));
+  sum_partials<W, A><<<sum_grid, dim3(32, 8), 0, stream>>>(
+      static_cast<const A*>(a.partial), l.grid, a.hidden, out0,
+      static_cast<W*>(a.dbias));
+  return cudaGetLastError();
+}
+
+}  // namespace jaxnorm::cuda
