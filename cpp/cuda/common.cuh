@@ -173,12 +173,6 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
   Packed<T, N> pk;
 #pragma unroll
   for (int i = 0; i < N; ++i) pk.v[i] = from_acc<T>(in[i]);
-#if JAXNORM_STREAM_STORES
-  if constexpr (sizeof(pk) == 16) {
-    __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&pk));
-    return;
-  }
-#endif
   *reinterpret_cast<Packed<T, N>*>(p) = pk;
 }
 
