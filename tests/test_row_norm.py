@@ -148,22 +148,55 @@ def test_check_grads(op, dtype, hidden):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("shape", [(5, 1), (9, 127), (3, 4097), (2, 4, 24)])
 def test_grads_against_float64(op, dtype, shape):
-    _, centered, eps = OPS[op]
     ndim = 2 if len(shape) == 3 else 1
     x = rand(21, shape, dtype)
     scale, bias = params(op, 21, shape[-ndim:], dtype)
-    dy = rand(22, shape, dtype)
+    check_grads64(op, x, scale, bias, rand(22, shape, dtype), ndim)
+
+
+def check_grads64(op, x, scale, bias, dy, ndim=1):
+    _, centered, eps = OPS[op]
     _, pullback = jax.vjp(lambda *a: call(op, *a), x, scale, bias)
     grads = jax.jit(pullback)(dy)
     expected = vjp64(x, scale, bias, dy, eps, centered, ndim)
     rows = x.size // scale.size
-    for got, want, sums in zip(grads, expected, (1, rows, rows)):
+    for got, want, arg, sums in zip(grads, expected, (x, scale, bias), (1, rows, rows)):
         if want is None:
             assert got is None
             continue
-        assert got.dtype == dtype and got.shape == want.shape
+        assert got.dtype == arg.dtype and got.shape == want.shape
         # dscale/dbias add up `rows` rounded terms
-        assert_close(got, want, dtype, scale=float(np.sqrt(sums)) * 4)
+        assert_close(got, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
+
+
+# Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh) on a
+# GPU with up to 132 SMs: one row (the backward's single block writes the
+# gradients itself); few rows; short rows several to a block; 4096 and 12288
+# wide (8 and 4 vectors a thread); rows too long for registers; parameters of
+# another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
+# bf16 scale, rows not whole 16-byte chunks of it).
+PLAN_CASES = [
+    ((1, 4096), jnp.bfloat16, jnp.bfloat16),
+    ((40, 1024), jnp.bfloat16, jnp.bfloat16),
+    ((1100, 1024), jnp.bfloat16, jnp.bfloat16),
+    ((1100, 4096), jnp.bfloat16, jnp.bfloat16),
+    ((1100, 12288), jnp.bfloat16, jnp.bfloat16),
+    ((3, 65536), jnp.bfloat16, jnp.bfloat16),
+    ((1100, 1024), jnp.bfloat16, jnp.float32),
+    ((700, 2052), jnp.float32, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,x_dtype,p_dtype", PLAN_CASES, ids=str)
+def test_every_plan(op, shape, x_dtype, p_dtype):
+    x = rand(31, shape, x_dtype, offset=0.5)
+    scale, bias = params(op, 31, shape[-1:], p_dtype)
+    check_values(op, x, scale, bias)
+    check_grads64(op, x, scale, bias, rand(32, shape, x_dtype))
+    # Once more after the statistics-only forward: the same kernel launched
+    # with less shared memory must not keep it from launching with more.
+    check_values(op, x, scale, bias)
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -154,9 +154,10 @@ int main(int argc, char** argv) {
   }
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
-  int dev = 0, sms = 0;
+  int dev = 0;
   CHECK(cudaGetDevice(&dev));
-  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const DeviceInfo& info = device_info(dev);
+  const int sms = info.sms;
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, dev));
   const float copy = copy_gbps(s, sms);
@@ -193,7 +194,7 @@ int main(int argc, char** argv) {
     }
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
     const RowPlan bwd_plan =
-        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, sms, max_dynamic_smem(dev));
+        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
     for (int nv : {2, 4, 8, 16}) {
       if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
      for (int one_row : {0, 1}) {
@@ -207,17 +208,17 @@ int main(int argc, char** argv) {
       for (bool write_y : {true, false}) {
         FwdArgs a = fa;
         a.write_y = write_y;
-        float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, sms, p, a)); });
+        float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
         const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
         std::printf("%-3s %-9s %12s %2d%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
                     write_y ? "fwd" : "stats", shape, nv, mark, p.tpr, p.rows_per_block,
                     long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
       }
-      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, sms, p, fa));
-      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > max_dynamic_smem(dev)) continue;
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
+      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
       if (nv > kMaxBwdNv) continue;
       mark = mark_of(bwd_plan);
-      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, sms);
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
       float us = time_us(s, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
       const double bytes = 3.0 * n * 2;
       double err = -1;

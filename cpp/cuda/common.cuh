@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "common/ffi_util.h"
@@ -221,36 +223,49 @@ inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory (beyond 48 KB a kernel
-// must opt in, and that limit counts its static shared memory too, hence the
-// margin).
+// What launch planning reads of a device, asked of the runtime once.
+struct DeviceInfo {
+  int device = 0;
+  int sms = 132;
+  // Dynamic shared memory one block may opt in to, less a margin for the
+  // kernels' static shared memory.
+  size_t max_dynamic_smem = 47 * 1024;
+};
+
+inline DeviceInfo query_device(int device) {
+  DeviceInfo d;
+  d.device = device;
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+    d.sms = v;
+  }
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
+      cudaSuccess) {
+    d.max_dynamic_smem = size_t(v) - 1024;
+  }
+  cudaGetLastError();  // a failed query leaves the defaults
+  return d;
+}
+
+// Handlers run on several threads (one per device): the cache is locked.
+inline const DeviceInfo& device_info(int device) {
+  static std::mutex mu;
+  static std::map<int, DeviceInfo> known;  // references stay valid
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(device);
+  if (it == known.end()) it = known.emplace(device, query_device(device)).first;
+  return it->second;
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory. Beyond 48 KB a kernel
+// must opt in (a limit that counts its static shared memory too, hence the
+// margin). The opt-in is raised to the device's limit, not to `bytes`, so
+// that a later launch with less does not lower it under an earlier one's.
 template <typename K>
-cudaError_t allow_dynamic_smem(K kernel, size_t bytes) {
+cudaError_t allow_dynamic_smem(K kernel, size_t bytes, const DeviceInfo& dev) {
   if (bytes <= 40 * 1024) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(bytes));
-}
-
-// Dynamic shared memory one block may opt in to, less a margin for the
-// kernels' static shared memory.
-inline size_t max_dynamic_smem(int device) {
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
-      cudaSuccess) {
-    cudaGetLastError();
-    n = 48 * 1024;
-  }
-  return size_t(n) - 1024;
-}
-
-inline int multiprocessor_count(int device) {
-  int n = 0;
-  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) !=
-      cudaSuccess) {
-    cudaGetLastError();  // clear it; fall back to a guess
-    n = 132;
-  }
-  return n;
+                              int(dev.max_dynamic_smem));
 }
 
 }  // namespace jaxnorm::cuda

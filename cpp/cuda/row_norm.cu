@@ -7,19 +7,17 @@ namespace jaxnorm::cuda {
 namespace {
 
 template <typename X, typename Y, typename W, int VEC>
-ffi::Error launch_fwd_vec(cudaStream_t stream, int sms, const FwdArgs& a) {
-  const int64_t nvec = a.hidden / VEC;
-  RowPlan p = plan_fwd(a.rows, nvec, VEC, sms);
-  return cuda_error(launch_fwd<X, Y, W, VEC>(stream, sms, p, a), "row_norm_fwd");
+ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
+  RowPlan p = plan_fwd(a.rows, a.hidden / VEC, VEC, dev.sms);
+  return cuda_error(launch_fwd<X, Y, W, VEC>(stream, dev, p, a), "row_norm_fwd");
 }
 
 template <typename X, typename G, typename W, int VEC>
-ffi::Error launch_bwd_vec(cudaStream_t stream, int32_t device, int sms,
+ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
                           ffi::ScratchAllocator& scratch, BwdArgs a) {
   const int regions = int(a.has_scale) + int(a.has_bias);
-  RowPlan p = plan_bwd_rows<X, W, VEC>(a.rows, a.hidden, a.has_scale, regions, sms,
-                                       max_dynamic_smem(device));
-  auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, sms);
+  RowPlan p = plan_bwd_rows<X, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
+  auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, dev);
   const size_t bytes = l.partial_bytes(a.hidden);
   if (bytes > 0) {
     auto mem = scratch.Allocate(bytes, 16);
@@ -60,7 +58,7 @@ ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
             y->untyped_data(), mean->untyped_data(), rstd->untyped_data(),
             s.rows, s.hidden, 0, 0, epsilon, centered, s.has_scale, s.has_bias,
             write_y, false};
-  const int sms = multiprocessor_count(device);
+  const DeviceInfo& dev = device_info(device);
   DataType ydt = write_y ? y->element_type() : x.element_type();
   return dispatch_row_types(
       x.element_type(), ydt, param_dtype(x, scale, bias, s),
@@ -69,7 +67,7 @@ ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
         using Y = native_t<decltype(yt)>;
         using W = native_t<decltype(wt)>;
         return with_vec<X>(s.hidden, {a.x, a.y, a.scale, a.bias}, [&](auto v) {
-          return launch_fwd_vec<X, Y, W, decltype(v)::value>(stream, sms, a);
+          return launch_fwd_vec<X, Y, W, decltype(v)::value>(stream, dev, a);
         });
       });
 }
@@ -98,7 +96,7 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
             rstd.untyped_data(), dy.untyped_data(), dx->untyped_data(),
             nullptr, dscale->untyped_data(), dbias->untyped_data(),
             s.rows, s.hidden, 0, 0, centered, s.has_scale, s.has_bias, false};
-  const int sms = multiprocessor_count(device);
+  const DeviceInfo& dev = device_info(device);
   return dispatch_row_types(
       x.element_type(), dy.element_type(), param_dtype(x, scale, *dbias, s),
       [&](auto xt, auto gt, auto wt) {
@@ -108,7 +106,7 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
         return with_vec<X>(s.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias},
                            [&](auto v) {
                              return launch_bwd_vec<X, G, W, decltype(v)::value>(
-                                 stream, device, sms, scratch, a);
+                                 stream, dev, scratch, a);
                            });
       });
 }

@@ -4,12 +4,12 @@
 //
 // Register path: a row is split over `tpr` threads that each hold NV 16-byte
 // vectors of it in registers, packed in the input dtype (bf16 stays bf16: half
-// the registers of fp32), so x and dy are read from DRAM exactly once. Every
-// load a row needs (x, dy, scale, bias, statistics) is issued before the first
-// reduction: one memory round trip per row, which is what decides the time of
-// small (decode) shapes and keeps loads in flight on large ones. Short rows
-// pack several rows into one block. Rows too long for registers take the long
-// path: one block per row, re-reading the row (mostly from L2) for each pass.
+// the registers of fp32), so x and dy are read from DRAM exactly once. Rows of
+// up to 4 vectors a thread stream through a cp.async ring in shared memory, so
+// that the next row's loads are in flight while a row is reduced; scale and
+// bias are staged in shared memory once per block. Short rows pack several
+// rows into one block. Rows too long for registers take the long path: one
+// block per row, re-reading the row (mostly from L2) for each pass.
 //
 // Backward: a persistent grid. Each thread owns the same columns for every row
 // it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
@@ -18,6 +18,8 @@
 // order: gradients are bitwise reproducible. A grid of one block writes the
 // gradients itself.
 #pragma once
+
+#include <tuple>
 
 #include "cuda/common.cuh"
 
@@ -101,29 +103,39 @@ inline RowPlan plan_with_nv(int64_t rows, int64_t nvec, int nv, int sms) {
 // The plans below were chosen from benchmarks/kernels/row_norm_plans.cu on an
 // H200 (results in benchmarks/NOTES.md); nvec counts 16-byte vectors, so the
 // same rules serve every dtype.
-//
-// Few rows (decode): nothing to hide latency behind, so spread each row over
-// more threads (2 vectors each) to shorten every thread's chain of loads.
-inline bool few_rows(int64_t rows, int sms) { return rows <= 4 * int64_t(sms); }
+
+inline RowPlan one_row_per_block(RowPlan p, int64_t rows) {
+  p.rows_per_block = 1;
+  p.groups = rows;
+  return p;
+}
+
+// Plans the forward and backward share: the element-wise path (VEC = 1: 4
+// elements a thread, else the long path); and few rows (decode), where there is
+// nothing to hide latency behind, so each row is spread over more threads (2
+// vectors each) to shorten every thread's chain of loads. False otherwise.
+inline bool shared_plan(int64_t rows, int64_t nvec, int vec, int sms, RowPlan* p) {
+  if (vec == 1) {
+    *p = plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
+    return true;
+  }
+  if (rows <= 4 * int64_t(sms) && nvec <= 2 * kMaxRowThreads) {
+    *p = plan_with_nv(rows, nvec, 2, sms);
+    if (p->tpr >= 64) *p = one_row_per_block(*p, rows);
+    return true;
+  }
+  return false;
+}
 
 // Forward (and the statistics-only forward). Rows of up to 128 vectors: 4 per
 // thread, several rows per block, staged. Up to 1024: 8 per thread straight to
 // registers, one row per (small) block. Up to 2048: 4 per thread, staged.
 // Longer: 16 per thread in registers, then the long path.
 inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
-  if (vec == 1) return plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
-  if (few_rows(rows, sms) && nvec <= 2 * kMaxRowThreads) {
-    RowPlan p = plan_with_nv(rows, nvec, 2, sms);
-    if (p.tpr >= 64) p.rows_per_block = 1, p.groups = rows;
-    return p;
-  }
+  RowPlan p;
+  if (shared_plan(rows, nvec, vec, sms, &p)) return p;
   if (nvec <= 128) return plan_with_nv(rows, nvec, 4, sms);
-  if (nvec <= 1024) {
-    RowPlan p = plan_with_nv(rows, nvec, 8, sms);
-    p.rows_per_block = 1;
-    p.groups = rows;
-    return p;
-  }
+  if (nvec <= 1024) return one_row_per_block(plan_with_nv(rows, nvec, 8, sms), rows);
   if (nvec <= 4 * kMaxRowThreads) return plan_with_nv(rows, nvec, 4, sms);
   return plan_with_nv(rows, nvec, nvec <= 16 * kMaxRowThreads ? 16 : 0, sms);
 }
@@ -206,6 +218,23 @@ struct Ring {
   static __host__ __device__ size_t bytes(int threads) {
     return kStaged ? size_t(kStages) * kTensors * NV * threads * sizeof(uint4) : 0;
   }
+  // Starts this block's first kStages - 1 row groups; issue(stage, g) starts
+  // the copies of group g into `stage`.
+  template <typename F>
+  __device__ static void prime(F&& issue) {
+    for (int s = 0; s + 1 < kStages; ++s) {
+      issue(s, blockIdx.x + int64_t(s) * gridDim.x);
+      cp_async_commit();
+    }
+  }
+  // Before the thread works on group g (in `stage`): starts the group
+  // kStages - 1 ahead into the stage it read last, and waits for g's copies.
+  template <typename F>
+  __device__ static void advance(int stage, int64_t g, F&& issue) {
+    issue((stage + kStages - 1) % kStages, g + int64_t(kStages - 1) * gridDim.x);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+  }
   __device__ uint4* at(int stage, int k, int i) const {
     return base + ((stage * kTensors + k) * NV + i) * blockDim.x + threadIdx.x;
   }
@@ -239,46 +268,50 @@ struct Ring {
   }
 };
 
+// A thread's place on the register path: its lane within its row, its row's
+// slot within the block, and the row length in vectors.
+template <typename A>
+struct RowThread {
+  int lane, slot;
+  int64_t nvec;
+  A inv_n;  // 1 / hidden
+  __device__ RowThread(int tpr, int64_t hidden, int vec)
+      : lane(threadIdx.x % tpr), slot(threadIdx.x / tpr), nvec(hidden / vec),
+        inv_n(A(1) / A(hidden)) {}
+};
+
 // ----------------------------------------------------------------- forward
 
 template <typename X, typename Y, typename W, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   using A = acc_t<X>;
   using R = Ring<VEC, NV, 1>;
-  constexpr int S = R::kStages;
   __shared__ A smem[32];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
-  const int lane = threadIdx.x % a.tpr;
-  const int slot = threadIdx.x / a.tpr;
-  const int64_t nvec = a.hidden / VEC;
-  const A inv_n = A(1) / A(a.hidden);
+  const RowThread<A> t(a.tpr, a.hidden, VEC);
   const bool use_w = a.write_y && a.has_scale, use_b = a.write_y && a.has_bias;
   const W* w_src = use_w ? static_cast<const W*>(a.scale) : nullptr;
   const W* b_src = use_b ? static_cast<const W*>(a.bias) : nullptr;
   if (a.stage_params && a.write_y) {
-    stage_params(w_src, b_src, a.hidden,
-                      reinterpret_cast<W*>(dyn + R::bytes(blockDim.x)));
+    stage_params(w_src, b_src, a.hidden, reinterpret_cast<W*>(dyn + R::bytes(blockDim.x)));
   }
   auto row_ptr = [&](int64_t g) -> const X* {  // this thread's row of group g
-    const int64_t row = g * a.rows_per_block + slot;
+    const int64_t row = g * a.rows_per_block + t.slot;
     return row < a.rows ? static_cast<const X*>(a.x) + row * a.hidden : nullptr;
   };
-  for (int s = 0; s + 1 < S; ++s) {
-    ring.issue(s, 0, row_ptr(blockIdx.x + int64_t(s) * gridDim.x), lane, a.tpr, nvec);
-    cp_async_commit();
-  }
+  auto issue = [&](int stage, int64_t g) {
+    ring.issue(stage, 0, row_ptr(g), t.lane, a.tpr, t.nvec);
+  };
+  R::prime(issue);
   int stage = 0;
   for (int64_t g = blockIdx.x; g * a.rows_per_block < a.rows; g += gridDim.x) {
-    ring.issue((stage + S - 1) % S, 0, row_ptr(g + int64_t(S - 1) * gridDim.x), lane,
-               a.tpr, nvec);
-    cp_async_commit();
-    cp_async_wait<S - 1>();
-    const int64_t row = g * a.rows_per_block + slot;
+    R::advance(stage, g, issue);
+    const int64_t row = g * a.rows_per_block + t.slot;
     const bool valid = row < a.rows;
     RegVec<X, VEC> xv[NV];
-    ring.read(xv, stage, 0, row_ptr(g), valid, lane, a.tpr, nvec);
-    stage = (stage + 1) % S;
+    ring.read(xv, stage, 0, row_ptr(g), valid, t.lane, a.tpr, t.nvec);
+    stage = (stage + 1) % R::kStages;
     A mean = 0;
     if (a.centered) {
       A s[1] = {0};
@@ -287,18 +320,18 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
       row_sum(s, a.tpr, smem);
-      mean = s[0] * inv_n;
+      mean = s[0] * t.inv_n;
     }
     A ss[1] = {0};
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      if (lane + int64_t(i) * a.tpr >= nvec) continue;
+      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
 #pragma unroll
       for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
     }
     row_sum(ss, a.tpr, smem);
-    const A rstd = rsqrt_acc(ss[0] * inv_n + A(a.epsilon));
-    if (valid && lane == 0) {
+    const A rstd = rsqrt_acc(ss[0] * t.inv_n + A(a.epsilon));
+    if (valid && t.lane == 0) {
       if (a.centered) static_cast<A*>(a.mean)[row] = mean;
       static_cast<A*>(a.rstd)[row] = rstd;
     }
@@ -308,8 +341,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
     Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int64_t c = lane + int64_t(i) * a.tpr;
-      if (c >= nvec) continue;
+      const int64_t c = t.lane + int64_t(i) * a.tpr;
+      if (c >= t.nvec) continue;
       A o[VEC], w[VEC], b[VEC];
       if (use_w) load_vec(w, w_src + c * VEC);
       if (use_b) load_vec(b, b_src + c * VEC);
@@ -466,19 +499,15 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using L = AccLayout<A, VEC>;
   using R = Ring<VEC, NV, 2>;
   using M = BwdSmem<A, VEC, NV>;
-  constexpr int S = R::kStages;
   __shared__ A smem[32 * 2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
-  const int lane = threadIdx.x % a.tpr;
-  const int slot = threadIdx.x / a.tpr;
-  const int64_t nvec = a.hidden / VEC;
-  const A inv_n = A(1) / A(a.hidden);
+  const RowThread<A> t(a.tpr, a.hidden, VEC);
   const int regions = int(a.has_scale) + int(a.has_bias);
   const int per_slot = NV * L::kChunks * a.tpr;
   A* stats = reinterpret_cast<A*>(dyn + M::stats(blockDim.x));  // [stage][2][thread]
   auto* acc = reinterpret_cast<typename L::Chunk*>(dyn + M::acc(blockDim.x));
-  auto* dw = acc + slot * per_slot + lane;  // this thread's dscale chunks
+  auto* dw = acc + t.slot * per_slot + t.lane;  // this thread's dscale chunks
   auto* db = dw + (a.has_scale ? a.rows_per_block * per_slot : 0);
   for (int j = 0; j < NV * L::kChunks; ++j) {
     if (a.has_scale) dw[j * a.tpr] = typename L::Chunk{};
@@ -488,37 +517,32 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   if (a.stage_params) {
     const W* no_bias = nullptr;
     stage_params(w_src, no_bias, a.hidden,
-                      reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
+                 reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
   }
   // Starts the copies of group g's row: x, dy and the row's statistics.
   auto issue = [&](int stage, int64_t g) {
-    const int64_t row = g * a.rows_per_block + slot;
+    const int64_t row = g * a.rows_per_block + t.slot;
     if constexpr (R::kStaged) {
       if (row >= a.rows) return;
       const int64_t base = row * a.hidden;
-      ring.issue(stage, 0, static_cast<const X*>(a.x) + base, lane, a.tpr, nvec);
-      ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, lane, a.tpr, nvec);
+      ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
+      ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
       A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
       if (a.centered) cp_async_scalar(st, static_cast<const A*>(a.mean) + row);
       cp_async_scalar(st + blockDim.x, static_cast<const A*>(a.rstd) + row);
     }
   };
-  for (int s = 0; s + 1 < S; ++s) {
-    issue(s, blockIdx.x + int64_t(s) * gridDim.x);
-    cp_async_commit();
-  }
+  R::prime(issue);
   int stage = 0;
   for (int64_t grp = blockIdx.x; grp * a.rows_per_block < a.rows; grp += gridDim.x) {
-    issue((stage + S - 1) % S, grp + int64_t(S - 1) * gridDim.x);
-    cp_async_commit();
-    cp_async_wait<S - 1>();
-    const int64_t row = grp * a.rows_per_block + slot;
+    R::advance(stage, grp, issue);
+    const int64_t row = grp * a.rows_per_block + t.slot;
     const bool valid = row < a.rows;
     const int64_t base = row * a.hidden;
     RegVec<X, VEC> xv[NV];
     RegVec<G, VEC> gv[NV];
-    ring.read(xv, stage, 0, static_cast<const X*>(a.x) + base, valid, lane, a.tpr, nvec);
-    ring.read(gv, stage, 1, static_cast<const G*>(a.dy) + base, valid, lane, a.tpr, nvec);
+    ring.read(xv, stage, 0, static_cast<const X*>(a.x) + base, valid, t.lane, a.tpr, t.nvec);
+    ring.read(gv, stage, 1, static_cast<const G*>(a.dy) + base, valid, t.lane, a.tpr, t.nvec);
     A mean = 0, rstd = 0;
     if (valid) {
       if constexpr (R::kStaged) {
@@ -530,14 +554,14 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
         rstd = static_cast<const A*>(a.rstd)[row];
       }
     }
-    stage = (stage + 1) % S;
+    stage = (stage + 1) % R::kStages;
     if (a.stage_params) __syncthreads();  // every thread's scale copies
     // xhat and g = dy * scale for vector i, from the registers.
     auto xhat_g = [&](int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
       A w[VEC];
       unpack(xh, xv[i]);
       unpack(d, gv[i]);
-      if (a.has_scale) load_vec(w, w_src + (lane + int64_t(i) * a.tpr) * VEC);
+      if (a.has_scale) load_vec(w, w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         xh[e] = (xh[e] - mean) * rstd;
@@ -547,7 +571,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     A s[2] = {0, 0};
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      if (lane + int64_t(i) * a.tpr >= nvec) continue;
+      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
       A xh[VEC], d[VEC], g[VEC];
       xhat_g(i, xh, d, g);
 #pragma unroll
@@ -564,14 +588,14 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       }
     }
     row_sum(s, a.tpr, smem);
-    const A c_gx = s[0] * inv_n;
-    const A c_g = a.centered ? s[1] * inv_n : A(0);
+    const A c_gx = s[0] * t.inv_n;
+    const A c_g = a.centered ? s[1] * t.inv_n : A(0);
     if (!valid) continue;
     X* dxr = static_cast<X*>(a.dx) + base;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int64_t c = lane + int64_t(i) * a.tpr;
-      if (c >= nvec) continue;
+      const int64_t c = t.lane + int64_t(i) * a.tpr;
+      if (c >= t.nvec) continue;
       A xh[VEC], d[VEC], g[VEC], o[VEC];
       xhat_g(i, xh, d, g);
 #pragma unroll
@@ -665,23 +689,34 @@ inline int grid_size(int64_t groups, int64_t cap) {
   return int(groups < cap ? groups : cap);
 }
 
-// Blocks of `kernel` that fit on one SM at once (at least 1).
+// Blocks of `kernel` that fit on one SM of `device` at once (at least 1), with
+// `smem` bytes of dynamic shared memory allowed. Asked of the runtime once per
+// kernel, device and shape of launch.
 template <typename K>
-int blocks_per_sm(K kernel, int threads, size_t smem) {
+int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
+  const auto key =
+      std::make_tuple(dev.device, reinterpret_cast<const void*>(kernel), threads, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(key);
+  if (it != known.end()) return it->second;
   int n = 0;
-  if (allow_dynamic_smem(kernel, smem) != cudaSuccess ||
+  if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
           cudaSuccess ||
       n < 1) {
     cudaGetLastError();
     n = 1;
   }
+  known.emplace(key, n);
   return n;
 }
 
 // The forward: one block per row group up to a full persistent grid.
 template <typename X, typename Y, typename W, int VEC>
-cudaError_t launch_fwd(cudaStream_t stream, int sms, const RowPlan& p, FwdArgs a) {
+cudaError_t launch_fwd(cudaStream_t stream, const DeviceInfo& dev, const RowPlan& p,
+                       FwdArgs a) {
   a.tpr = p.tpr;
   a.rows_per_block = p.rows_per_block;
   if (p.nv == 0) {
@@ -694,8 +729,8 @@ cudaError_t launch_fwd(cudaStream_t stream, int sms, const RowPlan& p, FwdArgs a
   return with_nv<VEC>(p.nv, [&](auto nv) {
     auto kernel = fwd_regs<X, Y, W, VEC, decltype(nv)::value>;
     const size_t smem = Ring<VEC, decltype(nv)::value, 1>::bytes(p.threads()) + staged;
-    const int grid =
-        grid_size(p.groups, int64_t(blocks_per_sm(kernel, p.threads(), smem)) * sms);
+    const int per_sm = blocks_per_sm(kernel, p.threads(), smem, dev);
+    const int grid = grid_size(p.groups, int64_t(per_sm) * dev.sms);
     kernel<<<grid, p.threads(), smem, stream>>>(a);
     return cudaGetLastError();
   });
@@ -727,20 +762,16 @@ size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int r
   });
 }
 
-// Backward rows: as the forward for few rows; else 4 vectors a thread (8 or
+// Backward rows: the shared plans; else 4 vectors a thread (8 or
 // more spill: the backward holds x and dy), with as many rows per block as
 // keep two blocks on an SM, or the long path when a row does not fit.
 template <typename X, typename W, int VEC>
-RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions, int sms,
-                      size_t smem_limit) {
+RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
+                      const DeviceInfo& dev) {
+  const int sms = dev.sms;
   const int64_t nvec = hidden / VEC;
   RowPlan p;
-  if (VEC == 1) {
-    p = plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
-  } else if (few_rows(rows, sms) && nvec <= 2 * kMaxRowThreads) {
-    p = plan_with_nv(rows, nvec, 2, sms);
-    if (p.tpr >= 64) p.rows_per_block = 1, p.groups = rows;
-  } else {
+  if (!shared_plan(rows, nvec, VEC, sms, &p)) {
     p = plan_with_nv(rows, nvec, nvec <= kMaxBwdNv * kMaxRowThreads ? kMaxBwdNv : 0, sms);
   }
   if (p.nv == 0) return p;
@@ -749,7 +780,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
     p.rows_per_block /= 2;
     p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
   }
-  if (bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > smem_limit) {
+  if (bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
   return p;
@@ -757,7 +788,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
 
 template <typename X, typename G, typename W, int VEC>
 BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_scale,
-                                 int regions, int sms) {
+                                 int regions, const DeviceInfo& dev) {
   BwdLaunch<X, G, W, VEC> l;
   l.plan = plan;
   l.regions = regions;
@@ -770,8 +801,8 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
     l.smem = bwd_smem_bytes<X, W, VEC>(plan, hidden, has_scale, regions);
   }
-  l.grid = grid_size(plan.groups,
-                     int64_t(blocks_per_sm(l.kernel, plan.threads(), l.smem)) * sms);
+  const int per_sm = blocks_per_sm(l.kernel, plan.threads(), l.smem, dev);
+  l.grid = grid_size(plan.groups, int64_t(per_sm) * dev.sms);
   return l;
 }
 
