@@ -3,8 +3,14 @@
 # build uses the machine's jax, nanobind and scikit-build-core), run the whole
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
+# STEPS picks what runs after the build (default: tests plans bench); the
+# step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
+# Compute where the machine lets it read the counters.
 set -uo pipefail
+export PATH=/usr/local/cuda/bin:$PATH
 OUT=${OUT:-$PWD/gpu-out}
+STEPS=${STEPS:-tests plans bench}
+step() { [[ " $STEPS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,7 +20,7 @@ if [ -d .whl ]; then  # test-only wheels the machine may lack (pytest)
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; uname -r; } \
   | tee "$OUT/device.txt"
 echo "== build"
 start=$(date +%s)
@@ -24,22 +30,47 @@ if ! python3 -m pip install --no-build-isolation --no-deps -v \
   tail -40 "$OUT/build.log"; exit 1
 fi
 echo "built in $(( $(date +%s) - start )) s"
+rm -f "$OUT/build.log"  # kept only when the build fails
 (cd /tmp && python3 -c "import jax, jaxnorm; print('jax', jax.__version__, jax.devices(), 'kernels:', jaxnorm.kernel_platforms())")
 
-echo "== tests on the GPU"
-(cd /tmp && python3 -m pytest -q -p no:cacheprovider "$repo/tests" 2>&1) | tee "$OUT/tests.log" | tail -15
-tests_rc=${PIPESTATUS[0]}
-
-echo "== kernel plans (C++, every register-path plan)"
-jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
-if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
-    benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
-  /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"
-  head -2 "$OUT/row_norm_plans.txt"
-else
-  tail -5 "$OUT/plans_build.log"
+tests_rc=0
+if step tests; then
+  echo "== tests on the GPU"
+  (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$repo/tests" 2>&1) | tee "$OUT/tests.log" | tail -15
+  tests_rc=${PIPESTATUS[0]}
 fi
 
-echo "== benchmarks"
-(cd benchmarks && python3 bench_row_norm.py --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40
+if step ncu; then
+  echo "== Nsight Compute: ${NCU_CASES}"
+  # Without preallocation, ncu saves and restores only the buffers in use
+  # between its replays, not most of the GPU's memory.
+  (cd benchmarks && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-240}" \
+      ncu --profile-from-start off --clock-control none --set full \
+      --import-source no -f -o /tmp/probe python3 ncu_probe.py ${NCU_CASES}) \
+      > "$OUT/ncu.log" 2>&1 || tail -5 "$OUT/ncu.log"
+  if [ -f /tmp/probe.ncu-rep ]; then
+    ncu -i /tmp/probe.ncu-rep --page details > "$OUT/ncu_details.txt" 2>&1
+    ncu -i /tmp/probe.ncu-rep --page source --print-source sass --csv \
+        --kernel-name "${NCU_SOURCE_KERNELS:-regex:fwd_regs|bwd_regs}" > "$OUT/ncu_sass.csv" 2>&1
+    grep -E "^  [a-z_].*\(|Duration|DRAM Throughput|Memory Throughput" "$OUT/ncu_details.txt" | head -200
+  fi
+fi
+
+if step plans; then
+  echo "== kernel plans (C++, every register-path plan)"
+  jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
+  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
+      benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
+    rm -f "$OUT/plans_build.log"
+    /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"
+    head -3 "$OUT/row_norm_plans.txt"
+  else
+    tail -5 "$OUT/plans_build.log"
+  fi
+fi
+
+if step bench; then
+  echo "== benchmarks"
+  (cd benchmarks && python3 bench_row_norm.py --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
 exit "$tests_rc"

@@ -1,7 +1,10 @@
 // Times the row-norm CUDA kernels under every register-path plan (vectors per
 // thread), bf16, straight from C++ with CUDA graphs and events: the data the
 // planner in row_norm_kernels.cuh is chosen from. It also checks each plan's
-// output against a float64 host reference on sampled rows.
+// output against a float64 host reference on sampled rows. Two copy kernels
+// give the ceilings: a grid-stride copy, and one that loads 8 vectors a thread
+// before storing them (the forward's pattern without the arithmetic).
+// SHAPES=16384x4096,64x4096 limits the run to those shapes.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -10,6 +13,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
 #include <vector>
 
 #include "cuda/row_norm_kernels.cuh"
@@ -69,6 +74,17 @@ __global__ void copy_kernel(const uint4* in, uint4* out, int64_t n) {
   }
 }
 
+// Each thread loads 8 vectors, then stores them: the forward's access pattern
+// without the arithmetic.
+__global__ void copy8_kernel(const uint4* in, uint4* out, int64_t n) {
+  const int64_t base = blockIdx.x * int64_t(blockDim.x) * 8 + threadIdx.x;
+  uint4 v[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = in[base + i * blockDim.x];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[base + i * blockDim.x] = v[i];
+}
+
 // Read + write bandwidth of a 1 GiB device-to-device copy kernel.
 float copy_gbps(cudaStream_t s, int sms) {
   const size_t n = size_t(1) << 30;
@@ -80,6 +96,13 @@ float copy_gbps(cudaStream_t s, int sms) {
     copy_kernel<<<sms * 8, 256, 0, s>>>(static_cast<const uint4*>(a), static_cast<uint4*>(b),
                                         int64_t(n / 16));
   }, 5, 5);
+  for (int threads : {64, 256}) {
+    float us8 = time_us(s, [&] {
+      copy8_kernel<<<unsigned(n / 16 / 8 / threads), threads, 0, s>>>(
+          static_cast<const uint4*>(a), static_cast<uint4*>(b), int64_t(n / 16));
+    }, 5, 5);
+    std::printf("copy8 (%d threads a block): %.0f GB/s\n", threads, 2.0f * n / us8 / 1e3f);
+  }
   CHECK(cudaFree(a));
   CHECK(cudaFree(b));
   return 2.0f * n / us / 1e3f;
@@ -149,6 +172,10 @@ int main(int argc, char** argv) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
              {2048, 32768}, {512, 65536}, {256, 4096}, {64, 4096}, {1, 4096}}) {
+      char name[32];
+      std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
+      const char* only = std::getenv("SHAPES");  // e.g. "64x4096,1x4096"
+      if (only && !std::strstr((std::string(",") + only + ",").c_str(), name)) continue;
       cases.push_back({r, h, centered});
     }
   }
@@ -197,12 +224,16 @@ int main(int argc, char** argv) {
         plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
     for (int nv : {2, 4, 8, 16}) {
       if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
-     for (int one_row : {0, 1}) {
+     for (int one_row : {0, 1})
+     for (int direct : {0, 1}) {
       RowPlan p = plan_with_nv(c.rows, nvec, nv, sms);
       if (one_row && p.rows_per_block == 1) continue;
       if (one_row) p.rows_per_block = 1, p.groups = c.rows;
+      if (direct && (nv != 2 || p.groups > 4 * sms)) continue;  // few rows only
+      p.direct = direct;
       auto mark_of = [&](const RowPlan& q) {
-        return q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
+        return q.nv == p.nv && q.rows_per_block == p.rows_per_block &&
+               q.direct == p.direct ? "*" : "";
       };
       const char* mark = mark_of(fwd_plan);
       for (bool write_y : {true, false}) {
@@ -210,8 +241,8 @@ int main(int argc, char** argv) {
         a.write_y = write_y;
         float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
         const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
-        std::printf("%-3s %-9s %12s %2d%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                    write_y ? "fwd" : "stats", shape, nv, mark, p.tpr, p.rows_per_block,
+        std::printf("%-3s %-9s %12s %2d%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    write_y ? "fwd" : "stats", shape, nv, direct ? "d" : "", mark, p.tpr, p.rows_per_block,
                     long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
       }
       CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
@@ -227,8 +258,8 @@ int main(int argc, char** argv) {
         err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
                     to_host(dw, H, true));
       }
-      std::printf("%-3s %-9s %12s %2d%s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op,
-                  "bwd", shape, nv, mark, p.tpr, p.rows_per_block, l.grid, l.smem, us,
+      std::printf("%-3s %-9s %12s %2d%s%s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op,
+                  "bwd", shape, nv, direct ? "d" : "", mark, p.tpr, p.rows_per_block, l.grid, l.smem, us,
                   bytes / us / 1e3, 100 * bytes / us / 1e3 / copy, err);
      }
     }

@@ -41,22 +41,53 @@ __device__ __forceinline__ T from_acc(A v) {
 __device__ __forceinline__ float rsqrt_acc(float v) { return rsqrtf(v); }
 __device__ __forceinline__ double rsqrt_acc(double v) { return 1.0 / sqrt(v); }
 
-// N elements of T with the alignment of one wide access (at most 16 bytes), so
-// that a load or store of it compiles to LDG.128/STG.128 (two for 32 bytes).
+// N elements of T with the alignment of one wide access (at most 16 bytes).
 template <typename T, int N>
 struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Packed {
   T v[N];
 };
 
-template <int N, typename T>
-__device__ __forceinline__ Packed<T, N> load_packed(const T* p) {
-  return *reinterpret_cast<const Packed<T, N>*>(p);
+// Loads kWords 32-bit words as the widest native vector accesses (uint4,
+// uint2) that p's alignment (that of kWords words, up to 16 bytes) allows.
+template <int kWords>
+__device__ __forceinline__ void load_words(uint32_t (&w)[kWords], const void* p) {
+  if constexpr (kWords % 4 == 0) {
+#pragma unroll
+    for (int k = 0; k < kWords / 4; ++k) {
+      const uint4 u = static_cast<const uint4*>(p)[k];
+      w[4 * k] = u.x, w[4 * k + 1] = u.y, w[4 * k + 2] = u.z, w[4 * k + 3] = u.w;
+    }
+  } else if constexpr (kWords == 2) {
+    const uint2 u = *static_cast<const uint2*>(p);
+    w[0] = u.x, w[1] = u.y;
+  } else {
+    static_assert(kWords == 1);
+    w[0] = *static_cast<const uint32_t*>(p);
+  }
 }
 
-template <int N, typename A, typename T>
-__device__ __forceinline__ void unpack(A (&out)[N], const Packed<T, N>& pk) {
+// Stores kWords 32-bit words to global memory, 16 (or 8) bytes at a time. In
+// PTX because the compiler splits the wide stores of a long unrolled loop
+// (past its first iterations) into 4- and 2-byte pieces: Nsight Compute then
+// counted half of the forward's L2 store sectors as excess (the kernel time
+// on an H100 did not change: L2 merged the pieces). Volatile, so these stores
+// keep their order among themselves; the kernels never read back what they
+// store this way.
+template <int kWords>
+__device__ __forceinline__ void store_global_words(void* ptr, const uint32_t (&w)[kWords]) {
+  auto* p = reinterpret_cast<void*>(__cvta_generic_to_global(ptr));
+  if constexpr (kWords % 4 == 0) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_acc(pk.v[i]);
+    for (int k = 0; k < kWords / 4; ++k) {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(static_cast<uint4*>(p) + k),
+                   "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+    }
+  } else if constexpr (kWords == 2) {
+    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]));
+  } else {
+    static_assert(kWords == 1);
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]));
+  }
 }
 
 // N elements of T held in registers as raw 32-bit words: two bf16/f16 share a
@@ -68,14 +99,30 @@ struct RegVec {
   static constexpr int kWords = int(N * sizeof(T) / 4);
   uint32_t w[kWords];
 
-  __device__ __forceinline__ void load(const T* p) {
-    auto pk = *reinterpret_cast<const Packed<uint32_t, kWords>*>(p);
-#pragma unroll
-    for (int k = 0; k < kWords; ++k) w[k] = pk.v[k];
-  }
+  __device__ __forceinline__ void load(const T* p) { load_words(w, p); }
+  __device__ __forceinline__ void store_global(T* p) const { store_global_words(p, w); }
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int k = 0; k < kWords; ++k) w[k] = 0;  // +0.0 in every float format
+  }
+  // Rounds N accumulation-type values to T into the words.
+  template <typename A>
+  __device__ __forceinline__ void pack(const A (&in)[N]) {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) {
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+        w[k] = __bfloat16_as_ushort(from_acc<T>(in[2 * k])) |
+               uint32_t(__bfloat16_as_ushort(from_acc<T>(in[2 * k + 1]))) << 16;
+      } else if constexpr (std::is_same_v<T, __half>) {
+        w[k] = __half_as_ushort(from_acc<T>(in[2 * k])) |
+               uint32_t(__half_as_ushort(from_acc<T>(in[2 * k + 1]))) << 16;
+      } else if constexpr (std::is_same_v<T, float>) {
+        w[k] = __float_as_uint(float(in[k]));
+      } else {
+        const double d = double(in[k / 2]);
+        w[k] = uint32_t(k % 2 ? __double2hiint(d) : __double2loint(d));
+      }
+    }
   }
   __device__ __forceinline__ void load_shared(const uint4* p) {
     if constexpr (kWords == 4) {
@@ -152,9 +199,18 @@ struct RegVec<T, N, false> {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = p[k];
   }
+  __device__ __forceinline__ void store_global(T* p) const {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = v[k];
+  }
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = from_acc<T>(0.0f);
+  }
+  template <typename A>
+  __device__ __forceinline__ void pack(const A (&in)[N]) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) v[k] = from_acc<T>(in[k]);
   }
   __device__ __forceinline__ acc_t<T> get(int e) const { return to_acc(v[e]); }
 };
@@ -167,15 +223,31 @@ __device__ __forceinline__ void unpack(A (&out)[N], const RegVec<T, N>& r) {
 
 template <int N, typename A, typename T>
 __device__ __forceinline__ void load_vec(A (&out)[N], const T* p) {
-  unpack(out, load_packed<N>(p));
+  // Not through load_words: loaded as words, the compiler hoists every
+  // vector's parameter loads ahead of their use, which took the forward from
+  // 64 to 85 registers (NV = 4) and cost a third of its speed at 384 threads
+  // a block (8192x12288 on an H200).
+  const Packed<T, N> pk = *reinterpret_cast<const Packed<T, N>*>(p);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_acc(pk.v[i]);
 }
 
+// load_vec through load_words: the compiler then schedules the loads early,
+// which made the backward's scale loads faster (bf16 16384x4096 on an H200:
+// 116.3 against 127.4 µs) while it cost the forward its occupancy (load_vec).
+template <int N, typename A, typename T>
+__device__ __forceinline__ void load_vec_early(A (&out)[N], const T* p) {
+  RegVec<T, N> r;
+  r.load(p);
+  unpack(out, r);
+}
+
+// Stores N values to global memory in T.
 template <int N, typename T, typename A>
 __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
-  Packed<T, N> pk;
-#pragma unroll
-  for (int i = 0; i < N; ++i) pk.v[i] = from_acc<T>(in[i]);
-  *reinterpret_cast<Packed<T, N>*>(p) = pk;
+  RegVec<T, N> r;
+  r.pack(in);
+  r.store_global(p);
 }
 
 // Sums K values over the `tpr` consecutive threads that share a row. tpr is a

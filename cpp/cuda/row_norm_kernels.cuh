@@ -70,6 +70,10 @@ struct RowPlan {
   int tpr = 0;          // threads per row
   int rows_per_block = 1;
   int64_t groups = 0;   // blocks' worth of rows
+  // Every block takes one row group (few rows): loads go straight to
+  // registers, with no ring and no staged parameters, whose set-up would only
+  // lengthen the one pass. Only with nv = 2.
+  bool direct = false;
   int threads() const { return nv ? tpr * rows_per_block : kLongThreads; }
 };
 
@@ -122,6 +126,7 @@ inline bool shared_plan(int64_t rows, int64_t nvec, int vec, int sms, RowPlan* p
   if (rows <= 4 * int64_t(sms) && nvec <= 2 * kMaxRowThreads) {
     *p = plan_with_nv(rows, nvec, 2, sms);
     if (p->tpr >= 64) *p = one_row_per_block(*p, rows);
+    p->direct = true;
     return true;
   }
   return false;
@@ -140,23 +145,31 @@ inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
   return plan_with_nv(rows, nvec, nvec <= 16 * kMaxRowThreads ? 16 : 0, sms);
 }
 
-// Calls f(std::integral_constant<int, NV>) for the instantiation that serves
-// nv: 2, 4, 8 or 16 vectors a thread (at most kMax), 4 elements when VEC = 1.
+// A kernel instantiation: NV vectors a thread, through the ring or direct.
+template <int NV, bool kRing = true>
+struct Variant {
+  static constexpr int nv = NV;
+  static constexpr bool ring = kRing;
+};
+
+// Calls f(Variant<NV, ring>{}) for the instantiation that serves the plan:
+// 2, 4, 8 or 16 vectors a thread (at most kMax), 4 elements when VEC = 1;
+// direct plans (nv = 2) without the ring.
 template <int VEC, int kMax = kMaxNv, typename F>
-auto with_nv(int nv, F&& f) {
+auto with_variant(const RowPlan& p, F&& f) {
   if constexpr (VEC == 1) {
-    return f(std::integral_constant<int, 4>{});
+    return f(Variant<4>{});
   } else {
-    if (nv <= 2) return f(std::integral_constant<int, 2>{});
+    if (p.nv <= 2) return p.direct ? f(Variant<2, false>{}) : f(Variant<2>{});
     if constexpr (kMax >= 8) {
-      if (nv > 4) {
+      if (p.nv > 4) {
         if constexpr (kMax >= 16) {
-          if (nv > 8) return f(std::integral_constant<int, 16>{});
+          if (p.nv > 8) return f(Variant<16>{});
         }
-        return f(std::integral_constant<int, 8>{});
+        return f(Variant<8>{});
       }
     }
-    return f(std::integral_constant<int, 4>{});
+    return f(Variant<4>{});
   }
 }
 
@@ -205,11 +218,11 @@ size_t staged_param_bytes(int64_t hidden, int params) {
 // ((s * kTensors + k) * NV + i) * blockDim + t: a warp reads 512 consecutive
 // bytes), so a stage needs no barrier. The element-wise path (VEC = 1) loads
 // straight into registers.
-template <int VEC, int NV, int kTensors>
+template <int VEC, int NV, int kTensors, bool kRing>
 struct Ring {
   // Long rows (8+ vectors a thread) have enough bytes in flight per thread
   // without staging; their stages would not fit in shared memory either.
-  static constexpr bool kStaged = VEC > 1 && NV <= 4;
+  static constexpr bool kStaged = kRing && VEC > 1 && NV <= 4;
   // Two stages: one row in flight while the thread works on another (three
   // measured no faster).
   static constexpr int kStages = kStaged ? 2 : 1;
@@ -282,10 +295,10 @@ struct RowThread {
 
 // ----------------------------------------------------------------- forward
 
-template <typename X, typename Y, typename W, int VEC, int NV>
+template <typename X, typename Y, typename W, int VEC, int NV, bool kRing>
 __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   using A = acc_t<X>;
-  using R = Ring<VEC, NV, 1>;
+  using R = Ring<VEC, NV, 1, kRing>;
   __shared__ A smem[32];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -470,7 +483,7 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
       } else {
         A* out = static_cast<A*>(a.partial) +
                  (int64_t(r) * gridDim.x + blockIdx.x) * a.hidden + col;
-        *reinterpret_cast<typename L::Chunk*>(out) = sum;
+        store_vec(out, sum.v);
       }
     }
   }
@@ -479,9 +492,9 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 // Shared memory of the backward, in order: the ring (x, dy), the per-thread
 // statistics of each stage (mean, rstd), the dscale/dbias accumulators, and the
 // staged scale.
-template <typename A, int VEC, int NV>
+template <typename A, int VEC, int NV, bool kRing>
 struct BwdSmem {
-  using R = Ring<VEC, NV, 2>;
+  using R = Ring<VEC, NV, 2, kRing>;
   static __host__ __device__ size_t stats(int threads) {
     return R::bytes(threads);
   }
@@ -493,12 +506,12 @@ struct BwdSmem {
   }
 };
 
-template <typename X, typename G, typename W, int VEC, int NV>
+template <typename X, typename G, typename W, int VEC, int NV, bool kRing>
 __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
-  using R = Ring<VEC, NV, 2>;
-  using M = BwdSmem<A, VEC, NV>;
+  using R = Ring<VEC, NV, 2, kRing>;
+  using M = BwdSmem<A, VEC, NV, kRing>;
   __shared__ A smem[32 * 2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -561,7 +574,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       A w[VEC];
       unpack(xh, xv[i]);
       unpack(d, gv[i]);
-      if (a.has_scale) load_vec(w, w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
+      if (a.has_scale) load_vec_early(w, w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         xh[e] = (xh[e] - mean) * rstd;
@@ -723,12 +736,13 @@ cudaError_t launch_fwd(cudaStream_t stream, const DeviceInfo& dev, const RowPlan
     fwd_long<X, Y, W, VEC><<<grid_size(p.groups, 1 << 30), kLongThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
-  const size_t staged =
-      a.write_y ? staged_param_bytes<W, VEC>(a.hidden, int(a.has_scale) + int(a.has_bias)) : 0;
+  const size_t staged = a.write_y && !p.direct
+      ? staged_param_bytes<W, VEC>(a.hidden, int(a.has_scale) + int(a.has_bias)) : 0;
   a.stage_params = staged > 0;
-  return with_nv<VEC>(p.nv, [&](auto nv) {
-    auto kernel = fwd_regs<X, Y, W, VEC, decltype(nv)::value>;
-    const size_t smem = Ring<VEC, decltype(nv)::value, 1>::bytes(p.threads()) + staged;
+  return with_variant<VEC>(p, [&](auto v) {
+    using V = decltype(v);
+    auto kernel = fwd_regs<X, Y, W, VEC, V::nv, V::ring>;
+    const size_t smem = Ring<VEC, V::nv, 1, V::ring>::bytes(p.threads()) + staged;
     const int per_sm = blocks_per_sm(kernel, p.threads(), smem, dev);
     const int grid = grid_size(p.groups, int64_t(per_sm) * dev.sms);
     kernel<<<grid, p.threads(), smem, stream>>>(a);
@@ -756,9 +770,10 @@ struct BwdLaunch {
 // Shared memory the backward's register path needs under `plan`.
 template <typename X, typename W, int VEC>
 size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
-  return with_nv<VEC, kMaxBwdNv>(plan.nv, [&](auto nv) {
-    return BwdSmem<acc_t<X>, VEC, decltype(nv)::value>::scale(plan.threads(), regions) +
-           staged_param_bytes<W, VEC>(hidden, int(has_scale));
+  return with_variant<VEC, kMaxBwdNv>(plan, [&](auto v) {
+    using V = decltype(v);
+    const size_t staged = plan.direct ? 0 : staged_param_bytes<W, VEC>(hidden, int(has_scale));
+    return BwdSmem<acc_t<X>, VEC, V::nv, V::ring>::scale(plan.threads(), regions) + staged;
   });
 }
 
@@ -795,10 +810,11 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   if (plan.nv == 0) {
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
-    l.kernel = with_nv<VEC, kMaxBwdNv>(plan.nv, [](auto nv) {
-      return &bwd_regs<X, G, W, VEC, decltype(nv)::value>;
+    l.kernel = with_variant<VEC, kMaxBwdNv>(plan, [](auto v) {
+      using V = decltype(v);
+      return &bwd_regs<X, G, W, VEC, V::nv, V::ring>;
     });
-    l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
+    l.stage_scale = !plan.direct && staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
     l.smem = bwd_smem_bytes<X, W, VEC>(plan, hidden, has_scale, regions);
   }
   const int per_sm = blocks_per_sm(l.kernel, plan.threads(), l.smem, dev);

@@ -1,0 +1,49 @@
+"""Runs chosen benchmark cases once each inside a CUDA profiler range, for
+Nsight Compute to profile only those kernels (compilation and warm-up stay
+outside the range):
+
+  ncu --profile-from-start off --set full -o rep \
+      python3 ncu_probe.py rms_norm:fwd:1x4096 rms_norm:fwd+bwd:64x4096 ...
+
+Each case runs jaxnorm, then XLA's jnp implementation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import jax
+import jax.numpy as jnp
+from bench_row_norm import IMPLS, inputs
+
+
+def case_fn(op, impl, pass_, shape, dtype):
+    f = IMPLS[op][impl]
+    x, params, dy = inputs(op, shape, dtype)
+    if pass_ == "fwd":
+        return jax.jit(f), (x, *params)
+    return jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), (x, dy, *params)
+
+
+def main(cases: list[str]) -> None:
+    dtype = jnp.dtype(jnp.bfloat16)
+    calls = []
+    for case in cases:
+        op, pass_, shape = case.split(":")
+        shape = tuple(int(d) for d in shape.split("x"))
+        for impl in IMPLS[op]:
+            fn, args = case_fn(op, impl, pass_, shape, dtype)
+            jax.block_until_ready(fn(*args))  # compile and warm up
+            jax.block_until_ready(fn(*args))
+            calls.append((f"{op} {pass_} {shape} {impl}", fn, args))
+    cuda = ctypes.CDLL("libcuda.so.1")
+    cuda.cuProfilerStart()
+    for name, fn, args in calls:
+        print("probe:", name, flush=True)
+        jax.block_until_ready(fn(*args))
+    cuda.cuProfilerStop()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
