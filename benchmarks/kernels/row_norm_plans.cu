@@ -4,7 +4,8 @@
 // output against a float64 host reference on sampled rows. Two copy kernels
 // give the ceilings: a grid-stride copy, and one that loads 8 vectors a thread
 // before storing them (the forward's pattern without the arithmetic).
-// SHAPES=16384x4096,64x4096 limits the run to those shapes.
+// The few-rows kernels (row_norm_few.cuh) are marked f. SHAPES=16384x4096,64x4096
+// limits the run to those shapes.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -17,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/row_norm_kernels.cuh"
+#include "cuda/row_norm_few.cuh"
 
 using namespace jaxnorm::cuda;
 using bf16 = __nv_bfloat16;
@@ -171,7 +172,8 @@ int main(int argc, char** argv) {
   for (bool centered : {false, true}) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {256, 4096}, {64, 4096}, {1, 4096}}) {
+             {2048, 32768}, {512, 65536}, {256, 4096}, {128, 4096}, {64, 4096},
+             {64, 8192}, {16, 4096}, {8, 4096}, {1, 4096}}) {
       char name[32];
       std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
       const char* only = std::getenv("SHAPES");  // e.g. "64x4096,1x4096"
@@ -219,38 +221,9 @@ int main(int argc, char** argv) {
       hx = to_host(x, n, true), hw = to_host(w, H, true), hb = to_host(b, H, true);
       hdy = to_host(dy, n, true);
     }
-    const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
-    const RowPlan bwd_plan =
-        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
-    for (int nv : {2, 4, 8, 16}) {
-      if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
-     for (int one_row : {0, 1})
-     for (int direct : {0, 1}) {
-      RowPlan p = plan_with_nv(c.rows, nvec, nv, sms);
-      if (one_row && p.rows_per_block == 1) continue;
-      if (one_row) p.rows_per_block = 1, p.groups = c.rows;
-      if (direct && (nv != 2 || p.groups > 4 * sms)) continue;  // few rows only
-      p.direct = direct;
-      auto mark_of = [&](const RowPlan& q) {
-        return q.nv == p.nv && q.rows_per_block == p.rows_per_block &&
-               q.direct == p.direct ? "*" : "";
-      };
-      const char* mark = mark_of(fwd_plan);
-      for (bool write_y : {true, false}) {
-        FwdArgs a = fa;
-        a.write_y = write_y;
-        float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
-        const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
-        std::printf("%-3s %-9s %12s %2d%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                    write_y ? "fwd" : "stats", shape, nv, direct ? "d" : "", mark, p.tpr, p.rows_per_block,
-                    long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
-      }
-      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
-      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
-      if (nv > kMaxBwdNv) continue;
-      mark = mark_of(bwd_plan);
-      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
-      float us = time_us(s, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+    // Times a backward launch, checks its output and prints a row.
+    auto time_bwd = [&](const char* name, int tpr, int rpb, int grid, size_t smem, auto launch) {
+      const float us = time_us(s, launch);
       const double bytes = 3.0 * n * 2;
       double err = -1;
       if (verify) {
@@ -258,10 +231,75 @@ int main(int argc, char** argv) {
         err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
                     to_host(dw, H, true));
       }
-      std::printf("%-3s %-9s %12s %2d%s%s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op,
-                  "bwd", shape, nv, direct ? "d" : "", mark, p.tpr, p.rows_per_block, l.grid, l.smem, us,
-                  bytes / us / 1e3, 100 * bytes / us / 1e3 / copy, err);
+      std::printf("%-3s %-9s %12s %3s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op, "bwd",
+                  shape, name, tpr, rpb, grid, smem, us, bytes / us / 1e3,
+                  100 * bytes / us / 1e3 / copy, err);
+    };
+    // The plans the handlers take are marked *: few-rows kernels where they
+    // serve, else the generic plan.
+    const FewBwdPlan few = plan_bwd_few<bf16, bf16, bf16, VEC>(c.rows, H, regions, info);
+    const bool few_fwd_serves = few_fwd_threads(c.rows, nvec, sms) > 0;
+    const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
+    const RowPlan bwd_plan =
+        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
+    for (int nv : {4, 8, 16}) {
+      if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
+     for (int one_row : {0, 1}) {
+      RowPlan p = plan_with_nv(c.rows, nvec, nv, sms);
+      if (one_row && p.rows_per_block == 1) continue;
+      if (one_row) p.rows_per_block = 1, p.groups = c.rows;
+      auto mark_of = [&](const RowPlan& q, bool few_serves) {
+        return !few_serves && q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
+      };
+      const char* mark = mark_of(fwd_plan, few_fwd_serves);
+      for (bool write_y : {true, false}) {
+        FwdArgs a = fa;
+        a.write_y = write_y;
+        float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
+        const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
+        std::printf("%-3s %-9s %12s %2d%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    write_y ? "fwd" : "stats", shape, nv, "", mark, p.tpr, p.rows_per_block,
+                    long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      }
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
+      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
+      if (nv > kMaxBwdNv) continue;
+      mark = mark_of(bwd_plan, few.blocks > 0);
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
+      char name[8];
+      std::snprintf(name, sizeof name, "%2d%s", nv, mark);
+      time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
+               [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
      }
+    }
+    auto few_fwd = [&](auto nv) {
+      constexpr int NV = decltype(nv)::value;
+      const int threads = few_fwd_threads(c.rows, nvec, sms, NV);
+      if (threads == 0) return;
+      for (bool write_y : {true, false}) {
+        FwdArgs a = fa;
+        a.write_y = write_y;
+        float us = time_us(s, [&] {
+          CHECK(launch_fwd_few<bf16, bf16, bf16, VEC, NV>(s, threads, a));
+        });
+        const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
+        std::printf("%-3s %-9s %12s %2df%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    write_y ? "fwd" : "stats", shape, NV, NV == kFewNv ? "*" : "", threads, 1,
+                    long(c.rows), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      }
+      CHECK(launch_fwd_few<bf16, bf16, bf16, VEC, NV>(s, threads, fa));
+    };
+    // The few-rows kernels (row_norm_few.cuh, marked f), where they serve.
+    few_fwd(std::integral_constant<int, 1>{});
+    few_fwd(std::integral_constant<int, 4>{});
+    few_fwd(std::integral_constant<int, 2>{});
+    // The few-rows backward, as planned (f*), and writing partial rows where
+    // the plan is a cluster (fp).
+    for (bool cluster : {true, false}) {
+      const FewBwdPlan fp = plan_bwd_few<bf16, bf16, bf16, VEC>(c.rows, H, regions, info, cluster);
+      if (fp.blocks == 0 || (!cluster && few.sums != FewSums::kCluster)) continue;
+      time_bwd(cluster ? " 2f*" : " 2fp", fp.threads, 1, fp.blocks, fp.smem,
+               [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, fp, info, ba)); });
     }
     CHECK(cudaStreamSynchronize(s));
     for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)w, (void*)b,

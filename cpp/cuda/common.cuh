@@ -9,6 +9,7 @@
 
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <type_traits>
 
 #include "common/ffi_util.h"
@@ -299,6 +300,7 @@ inline bool aligned16(const void* p) {
 struct DeviceInfo {
   int device = 0;
   int sms = 132;
+  int cc_major = 9;  // compute capability (clusters from 9)
   // Dynamic shared memory one block may opt in to, less a margin for the
   // kernels' static shared memory.
   size_t max_dynamic_smem = 47 * 1024;
@@ -310,6 +312,9 @@ inline DeviceInfo query_device(int device) {
   int v = 0;
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
     d.sms = v;
+  }
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess) {
+    d.cc_major = v;
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
       cudaSuccess) {
@@ -326,6 +331,21 @@ inline const DeviceInfo& device_info(int device) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = known.find(device);
   if (it == known.end()) it = known.emplace(device, query_device(device)).first;
+  return it->second;
+}
+
+// query(), asked once per device, kernel, block size and shared memory of a
+// launch and then remembered (one cache per call site: F is its lambda).
+// Handlers run on several threads: the cache is locked.
+template <typename K, typename F>
+int per_launch_shape(const DeviceInfo& dev, K kernel, int threads, size_t smem, F&& query) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
+  const auto key =
+      std::make_tuple(dev.device, reinterpret_cast<const void*>(kernel), threads, smem);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(key);
+  if (it == known.end()) it = known.emplace(key, query()).first;
   return it->second;
 }
 

@@ -1,33 +1,51 @@
 // FFI handlers for the row norms on CUDA: argument checks, dtype dispatch and
-// the choice of a plan. The kernels are in row_norm_kernels.cuh.
+// the choice of a plan. The kernels are in row_norm_kernels.cuh, and those for
+// few rows in row_norm_few.cuh.
 #include "common/row_norm_args.h"
-#include "cuda/row_norm_kernels.cuh"
+#include "cuda/row_norm_few.cuh"
 
 namespace jaxnorm::cuda {
 namespace {
 
 template <typename X, typename Y, typename W, int VEC>
 ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
+  if constexpr (VEC > 1) {
+    if (const int threads = few_fwd_threads(a.rows, a.hidden / VEC, dev.sms)) {
+      return cuda_error(launch_fwd_few<X, Y, W, VEC>(stream, threads, a), "row_norm_fwd");
+    }
+  }
   RowPlan p = plan_fwd(a.rows, a.hidden / VEC, VEC, dev.sms);
   return cuda_error(launch_fwd<X, Y, W, VEC>(stream, dev, p, a), "row_norm_fwd");
+}
+
+// Points a.partial at `bytes` of scratch (none when 0).
+inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t bytes,
+                                       BwdArgs& a) {
+  if (bytes == 0) return ffi::Error::Success();
+  auto mem = scratch.Allocate(bytes, 16);
+  if (!mem.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxnorm: cannot allocate " + std::to_string(bytes) +
+                          " bytes of scratch for row_norm_bwd");
+  }
+  a.partial = *mem;
+  return ffi::Error::Success();
 }
 
 template <typename X, typename G, typename W, int VEC>
 ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
                           ffi::ScratchAllocator& scratch, BwdArgs a) {
   const int regions = int(a.has_scale) + int(a.has_bias);
+  if constexpr (VEC > 1) {
+    const FewBwdPlan few = plan_bwd_few<X, G, W, VEC>(a.rows, a.hidden, regions, dev);
+    if (few.blocks > 0) {
+      JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
+      return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, dev, a), "row_norm_bwd");
+    }
+  }
   RowPlan p = plan_bwd_rows<X, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, dev);
-  const size_t bytes = l.partial_bytes(a.hidden);
-  if (bytes > 0) {
-    auto mem = scratch.Allocate(bytes, 16);
-    if (!mem.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jaxnorm: cannot allocate " + std::to_string(bytes) +
-                            " bytes of scratch for row_norm_bwd");
-    }
-    a.partial = *mem;
-  }
+  JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
   return cuda_error(launch_bwd<X, G, W, VEC>(stream, l, a), "row_norm_bwd");
 }
 

@@ -19,8 +19,6 @@
 // gradients itself.
 #pragma once
 
-#include <tuple>
-
 #include "cuda/common.cuh"
 
 namespace jaxnorm::cuda {
@@ -70,10 +68,6 @@ struct RowPlan {
   int tpr = 0;          // threads per row
   int rows_per_block = 1;
   int64_t groups = 0;   // blocks' worth of rows
-  // Every block takes one row group (few rows): loads go straight to
-  // registers, with no ring and no staged parameters, whose set-up would only
-  // lengthen the one pass. Only with nv = 2.
-  bool direct = false;
   int threads() const { return nv ? tpr * rows_per_block : kLongThreads; }
 };
 
@@ -114,22 +108,11 @@ inline RowPlan one_row_per_block(RowPlan p, int64_t rows) {
   return p;
 }
 
-// Plans the forward and backward share: the element-wise path (VEC = 1: 4
-// elements a thread, else the long path); and few rows (decode), where there is
-// nothing to hide latency behind, so each row is spread over more threads (2
-// vectors each) to shorten every thread's chain of loads. False otherwise.
-inline bool shared_plan(int64_t rows, int64_t nvec, int vec, int sms, RowPlan* p) {
-  if (vec == 1) {
-    *p = plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
-    return true;
-  }
-  if (rows <= 4 * int64_t(sms) && nvec <= 2 * kMaxRowThreads) {
-    *p = plan_with_nv(rows, nvec, 2, sms);
-    if (p->tpr >= 64) *p = one_row_per_block(*p, rows);
-    p->direct = true;
-    return true;
-  }
-  return false;
+// The element-wise path (VEC = 1), forward and backward: 4 elements a thread,
+// else the long path. (Few rows with 16-byte vectors take the kernels of
+// row_norm_few.cuh.)
+inline RowPlan elementwise_plan(int64_t rows, int64_t nvec, int sms) {
+  return plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
 }
 
 // Forward (and the statistics-only forward). Rows of up to 128 vectors: 4 per
@@ -137,30 +120,26 @@ inline bool shared_plan(int64_t rows, int64_t nvec, int vec, int sms, RowPlan* p
 // registers, one row per (small) block. Up to 2048: 4 per thread, staged.
 // Longer: 16 per thread in registers, then the long path.
 inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
-  RowPlan p;
-  if (shared_plan(rows, nvec, vec, sms, &p)) return p;
+  if (vec == 1) return elementwise_plan(rows, nvec, sms);
   if (nvec <= 128) return plan_with_nv(rows, nvec, 4, sms);
   if (nvec <= 1024) return one_row_per_block(plan_with_nv(rows, nvec, 8, sms), rows);
   if (nvec <= 4 * kMaxRowThreads) return plan_with_nv(rows, nvec, 4, sms);
   return plan_with_nv(rows, nvec, nvec <= 16 * kMaxRowThreads ? 16 : 0, sms);
 }
 
-// A kernel instantiation: NV vectors a thread, through the ring or direct.
-template <int NV, bool kRing = true>
+// A kernel instantiation: NV vectors a thread.
+template <int NV>
 struct Variant {
   static constexpr int nv = NV;
-  static constexpr bool ring = kRing;
 };
 
-// Calls f(Variant<NV, ring>{}) for the instantiation that serves the plan:
-// 2, 4, 8 or 16 vectors a thread (at most kMax), 4 elements when VEC = 1;
-// direct plans (nv = 2) without the ring.
+// Calls f(Variant<NV>{}) for the instantiation that serves the plan: 4, 8 or
+// 16 vectors a thread (at most kMax), 4 elements when VEC = 1.
 template <int VEC, int kMax = kMaxNv, typename F>
 auto with_variant(const RowPlan& p, F&& f) {
   if constexpr (VEC == 1) {
     return f(Variant<4>{});
   } else {
-    if (p.nv <= 2) return p.direct ? f(Variant<2, false>{}) : f(Variant<2>{});
     if constexpr (kMax >= 8) {
       if (p.nv > 4) {
         if constexpr (kMax >= 16) {
@@ -218,11 +197,11 @@ size_t staged_param_bytes(int64_t hidden, int params) {
 // ((s * kTensors + k) * NV + i) * blockDim + t: a warp reads 512 consecutive
 // bytes), so a stage needs no barrier. The element-wise path (VEC = 1) loads
 // straight into registers.
-template <int VEC, int NV, int kTensors, bool kRing>
+template <int VEC, int NV, int kTensors>
 struct Ring {
   // Long rows (8+ vectors a thread) have enough bytes in flight per thread
   // without staging; their stages would not fit in shared memory either.
-  static constexpr bool kStaged = kRing && VEC > 1 && NV <= 4;
+  static constexpr bool kStaged = VEC > 1 && NV <= 4;
   // Two stages: one row in flight while the thread works on another (three
   // measured no faster).
   static constexpr int kStages = kStaged ? 2 : 1;
@@ -295,10 +274,39 @@ struct RowThread {
 
 // ----------------------------------------------------------------- forward
 
-template <typename X, typename Y, typename W, int VEC, int NV, bool kRing>
+// The mean (0 for RMSNorm) and rstd of a row whose thread holds NV vectors of
+// it in registers (vector i when lane + i * tpr < nvec, zeros past the end).
+// sum(v, k) sums v over the row's threads, k = 0 for the mean, 1 for the
+// variance; every thread must call row_stats.
+template <typename A, int VEC, int NV, typename T, typename Sum>
+__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
+                                          int64_t nvec, const FwdArgs& a, A inv_n, A& mean,
+                                          A& rstd, Sum&& sum) {
+  mean = 0;
+  if (a.centered) {
+    A s[1] = {0};
+#pragma unroll
+    for (int i = 0; i < NV; ++i)
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
+    sum(s, 0);
+    mean = s[0] * inv_n;
+  }
+  A ss[1] = {0};
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    if (lane + int64_t(i) * tpr >= nvec) continue;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
+  }
+  sum(ss, 1);
+  rstd = rsqrt_acc(ss[0] * inv_n + A(a.epsilon));
+}
+
+template <typename X, typename Y, typename W, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   using A = acc_t<X>;
-  using R = Ring<VEC, NV, 1, kRing>;
+  using R = Ring<VEC, NV, 1>;
   __shared__ A smem[32];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -325,25 +333,9 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
     RegVec<X, VEC> xv[NV];
     ring.read(xv, stage, 0, row_ptr(g), valid, t.lane, a.tpr, t.nvec);
     stage = (stage + 1) % R::kStages;
-    A mean = 0;
-    if (a.centered) {
-      A s[1] = {0};
-#pragma unroll
-      for (int i = 0; i < NV; ++i)
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
-      row_sum(s, a.tpr, smem);
-      mean = s[0] * t.inv_n;
-    }
-    A ss[1] = {0};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
-    }
-    row_sum(ss, a.tpr, smem);
-    const A rstd = rsqrt_acc(ss[0] * t.inv_n + A(a.epsilon));
+    A mean, rstd;
+    row_stats(xv, t.lane, a.tpr, t.nvec, a, t.inv_n, mean, rstd,
+              [&](A (&v)[1], int) { row_sum(v, a.tpr, smem); });
     if (valid && t.lane == 0) {
       if (a.centered) static_cast<A*>(a.mean)[row] = mean;
       static_cast<A*>(a.rstd)[row] = rstd;
@@ -440,6 +432,16 @@ struct AccLayout {
   using Chunk = Packed<A, K>;
 };
 
+// The backward's two row sums: s[0] += sum g * xhat, s[1] += sum g.
+template <int VEC, typename A>
+__device__ __forceinline__ void add_row_dots(A (&s)[2], const A (&g)[VEC], const A (&xh)[VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    s[0] += g[e] * xh[e];
+    s[1] += g[e];
+  }
+}
+
 // acc[j] += v, chunk by chunk.
 template <typename A, int VEC>
 __device__ __forceinline__ void accumulate(typename AccLayout<A, VEC>::Chunk* acc,
@@ -492,9 +494,9 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 // Shared memory of the backward, in order: the ring (x, dy), the per-thread
 // statistics of each stage (mean, rstd), the dscale/dbias accumulators, and the
 // staged scale.
-template <typename A, int VEC, int NV, bool kRing>
+template <typename A, int VEC, int NV>
 struct BwdSmem {
-  using R = Ring<VEC, NV, 2, kRing>;
+  using R = Ring<VEC, NV, 2>;
   static __host__ __device__ size_t stats(int threads) {
     return R::bytes(threads);
   }
@@ -506,12 +508,12 @@ struct BwdSmem {
   }
 };
 
-template <typename X, typename G, typename W, int VEC, int NV, bool kRing>
+template <typename X, typename G, typename W, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
-  using R = Ring<VEC, NV, 2, kRing>;
-  using M = BwdSmem<A, VEC, NV, kRing>;
+  using R = Ring<VEC, NV, 2>;
+  using M = BwdSmem<A, VEC, NV>;
   __shared__ A smem[32 * 2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -587,11 +589,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
       A xh[VEC], d[VEC], g[VEC];
       xhat_g(i, xh, d, g);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        s[0] += g[e] * xh[e];
-        s[1] += g[e];
-      }
+      add_row_dots(s, g, xh);
       if (!valid) continue;
       if (a.has_bias) accumulate<A, VEC>(db + i * L::kChunks * a.tpr, a.tpr, d);
       if (a.has_scale) {
@@ -649,11 +647,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       A xh[VEC], d[VEC], g[VEC];
       load(base, c, mean, rstd, xh, d, g);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        s[0] += g[e] * xh[e];
-        s[1] += g[e];
-      }
+      add_row_dots(s, g, xh);
     }
     row_sum(s, blockDim.x, smem);
     const A c_gx = s[0] * inv_n;
@@ -698,6 +692,17 @@ __global__ void sum_partials(const A* partial, int64_t parts, int64_t hidden,
 
 // ------------------------------------------------------------------ launch
 
+// Sums the `parts` partial rows in a.partial into dscale and dbias.
+template <typename W, typename A>
+cudaError_t launch_sum_partials(cudaStream_t stream, const BwdArgs& a, int64_t parts) {
+  const int regions = int(a.has_scale) + int(a.has_bias);
+  W* out0 = static_cast<W*>(a.has_scale ? a.dscale : a.dbias);
+  dim3 grid(unsigned((a.hidden + 31) / 32), unsigned(regions));
+  sum_partials<W, A><<<grid, dim3(32, 8), 0, stream>>>(
+      static_cast<const A*>(a.partial), parts, a.hidden, out0, static_cast<W*>(a.dbias));
+  return cudaGetLastError();
+}
+
 inline int grid_size(int64_t groups, int64_t cap) {
   return int(groups < cap ? groups : cap);
 }
@@ -707,23 +712,17 @@ inline int grid_size(int64_t groups, int64_t cap) {
 // kernel, device and shape of launch.
 template <typename K>
 int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
-  const auto key =
-      std::make_tuple(dev.device, reinterpret_cast<const void*>(kernel), threads, smem);
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(key);
-  if (it != known.end()) return it->second;
-  int n = 0;
-  if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
-          cudaSuccess ||
-      n < 1) {
-    cudaGetLastError();
-    n = 1;
-  }
-  known.emplace(key, n);
-  return n;
+  return per_launch_shape(dev, kernel, threads, smem, [&] {
+    int n = 0;
+    if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
+            cudaSuccess ||
+        n < 1) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n;
+  });
 }
 
 // The forward: one block per row group up to a full persistent grid.
@@ -736,13 +735,13 @@ cudaError_t launch_fwd(cudaStream_t stream, const DeviceInfo& dev, const RowPlan
     fwd_long<X, Y, W, VEC><<<grid_size(p.groups, 1 << 30), kLongThreads, 0, stream>>>(a);
     return cudaGetLastError();
   }
-  const size_t staged = a.write_y && !p.direct
+  const size_t staged = a.write_y
       ? staged_param_bytes<W, VEC>(a.hidden, int(a.has_scale) + int(a.has_bias)) : 0;
   a.stage_params = staged > 0;
   return with_variant<VEC>(p, [&](auto v) {
     using V = decltype(v);
-    auto kernel = fwd_regs<X, Y, W, VEC, V::nv, V::ring>;
-    const size_t smem = Ring<VEC, V::nv, 1, V::ring>::bytes(p.threads()) + staged;
+    auto kernel = fwd_regs<X, Y, W, VEC, V::nv>;
+    const size_t smem = Ring<VEC, V::nv, 1>::bytes(p.threads()) + staged;
     const int per_sm = blocks_per_sm(kernel, p.threads(), smem, dev);
     const int grid = grid_size(p.groups, int64_t(per_sm) * dev.sms);
     kernel<<<grid, p.threads(), smem, stream>>>(a);
@@ -772,12 +771,12 @@ template <typename X, typename W, int VEC>
 size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
   return with_variant<VEC, kMaxBwdNv>(plan, [&](auto v) {
     using V = decltype(v);
-    const size_t staged = plan.direct ? 0 : staged_param_bytes<W, VEC>(hidden, int(has_scale));
-    return BwdSmem<acc_t<X>, VEC, V::nv, V::ring>::scale(plan.threads(), regions) + staged;
+    const size_t staged = staged_param_bytes<W, VEC>(hidden, int(has_scale));
+    return BwdSmem<acc_t<X>, VEC, V::nv>::scale(plan.threads(), regions) + staged;
   });
 }
 
-// Backward rows: the shared plans; else 4 vectors a thread (8 or
+// Backward rows: the element-wise plan; else 4 vectors a thread (8 or
 // more spill: the backward holds x and dy), with as many rows per block as
 // keep two blocks on an SM, or the long path when a row does not fit.
 template <typename X, typename W, int VEC>
@@ -785,10 +784,8 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
                       const DeviceInfo& dev) {
   const int sms = dev.sms;
   const int64_t nvec = hidden / VEC;
-  RowPlan p;
-  if (!shared_plan(rows, nvec, VEC, sms, &p)) {
-    p = plan_with_nv(rows, nvec, nvec <= kMaxBwdNv * kMaxRowThreads ? kMaxBwdNv : 0, sms);
-  }
+  RowPlan p = VEC == 1 ? elementwise_plan(rows, nvec, sms)
+      : plan_with_nv(rows, nvec, nvec <= kMaxBwdNv * kMaxRowThreads ? kMaxBwdNv : 0, sms);
   if (p.nv == 0) return p;
   while (p.rows_per_block > 1 &&
          bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > kTwoBlocksSmem) {
@@ -812,9 +809,9 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   } else {
     l.kernel = with_variant<VEC, kMaxBwdNv>(plan, [](auto v) {
       using V = decltype(v);
-      return &bwd_regs<X, G, W, VEC, V::nv, V::ring>;
+      return &bwd_regs<X, G, W, VEC, V::nv>;
     });
-    l.stage_scale = !plan.direct && staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
+    l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
     l.smem = bwd_smem_bytes<X, W, VEC>(plan, hidden, has_scale, regions);
   }
   const int per_sm = blocks_per_sm(l.kernel, plan.threads(), l.smem, dev);
@@ -837,12 +834,7 @@ cudaError_t launch_bwd(cudaStream_t stream, const BwdLaunch<X, G, W, VEC>& l,
   }
   l.kernel<<<l.grid, l.plan.threads(), l.smem, stream>>>(a);
   if (partial == 0) return cudaGetLastError();
-  W* out0 = static_cast<W*>(a.has_scale ? a.dscale : a.dbias);
-  dim3 sum_grid(unsigned((a.hidden + 31) / 32), unsigned(l.regions));
-  sum_partials<W, A><<<sum_grid, dim3(32, 8), 0, stream>>>(
-      static_cast<const A*>(a.partial), l.grid, a.hidden, out0,
-      static_cast<W*>(a.dbias));
-  return cudaGetLastError();
+  return launch_sum_partials<W, A>(stream, a, l.grid);
 }
 
 }  // namespace jaxnorm::cuda
