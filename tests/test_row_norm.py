@@ -172,7 +172,8 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
 # row_norm_few.cuh) on a GPU with up to 132 SMs: one row (one block writes the
 # gradients itself); up to 16 rows (the backward as one cluster of 5 or 16
-# blocks; a row not a whole number of a thread's vectors); a few hundred rows;
+# blocks; a row not a whole number of a thread's vectors; a block smaller than
+# a warp); a few hundred rows;
 # short rows several to a block; 4096 and 12288
 # wide (8 and 4 vectors a thread); rows too long for registers; parameters of
 # another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
@@ -182,6 +183,7 @@ PLAN_CASES = [
     ((40, 1024), jnp.bfloat16, jnp.bfloat16),
     ((5, 4096), jnp.bfloat16, jnp.float32),
     ((16, 1024), jnp.bfloat16, jnp.bfloat16),
+    ((5, 16), jnp.bfloat16, jnp.bfloat16),
     ((7, 2052), jnp.float32, jnp.bfloat16),
     ((1100, 1024), jnp.bfloat16, jnp.bfloat16),
     ((1100, 4096), jnp.bfloat16, jnp.bfloat16),

@@ -38,14 +38,25 @@ __device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[NV], const T* row,
 }
 
 // Sums K values over the block in a fixed order; every thread gets the
-// totals. `smem` (32 * K values) must not be reused before every thread has
-// returned: no barrier at the end.
+// totals. Unlike row_sum (common.cuh), the whole block is one row, and there
+// is no barrier at the end: `smem` (32 * K values) must not be written again
+// before every thread has returned. Measured 0.1-0.3 µs faster than row_sum
+// per decode kernel (benchmarks/NOTES.md, v5).
 template <int K, typename A>
 __device__ __forceinline__ void block_sum(A (&v)[K], A* smem) {
+  if (blockDim.x < 32) {  // a power of two: shuffle among those lanes only
+    const unsigned lanes = (1u << blockDim.x) - 1;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      for (int off = blockDim.x / 2; off > 0; off /= 2)
+        v[k] += __shfl_xor_sync(lanes, v[k], off);
+    return;
+  }
 #pragma unroll
   for (int k = 0; k < K; ++k)
+#pragma unroll
     for (int off = 16; off > 0; off /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
-  const int warps = (blockDim.x + 31) / 32;
+  const int warps = blockDim.x / 32;
   if (warps == 1) return;
   if (threadIdx.x % 32 == 0) {
 #pragma unroll
@@ -66,7 +77,7 @@ __device__ __forceinline__ void block_sum(A (&v)[K], A* smem) {
 template <typename X, typename Y, typename W, int VEC, int NV = kFewNv>
 __global__ void __launch_bounds__(kFewThreads) fwd_few(FwdArgs a) {
   using A = acc_t<X>;
-  __shared__ A smem[2][32];
+  __shared__ A smem[2][32];  // block_sum's, one for each sum
   const int nvec = int(a.hidden / VEC), lane = threadIdx.x;
   const int64_t row = blockIdx.x;
   const bool use_w = a.write_y && a.has_scale, use_b = a.write_y && a.has_bias;

@@ -324,6 +324,9 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   auto issue = [&](int stage, int64_t g) {
     ring.issue(stage, 0, row_ptr(g), t.lane, a.tpr, t.nvec);
   };
+  // The ring loop is written out here and in bwd_regs: behind a shared helper
+  // taking the body as a lambda, ptxas gave this kernel 13-16 more registers
+  // (benchmarks/NOTES.md, v5).
   R::prime(issue);
   int stage = 0;
   for (int64_t g = blockIdx.x; g * a.rows_per_block < a.rows; g += gridDim.x) {
