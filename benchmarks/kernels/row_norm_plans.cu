@@ -4,7 +4,7 @@
 // output against a float64 host reference on sampled rows. Two copy kernels
 // give the ceilings: a grid-stride copy, and one that loads 8 vectors a thread
 // before storing them (the forward's pattern without the arithmetic).
-// The few-rows kernels (row_norm_few.cuh) are marked f. SHAPES=16384x4096,64x4096
+// The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
 // limits the run to those shapes.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/row_norm_few.cuh"
+#include "cuda/row_norm_block.cuh"
 
 using namespace jaxnorm::cuda;
 using bf16 = __nv_bfloat16;
@@ -67,6 +67,8 @@ float time_us(cudaStream_t s, F launch, int calls = 20, int reps = 7) {
   CHECK(cudaGraphDestroy(graph));
   return ms[ms.size() / 2] * 1e3f / calls;
 }
+
+__global__ void empty_kernel() {}
 
 __global__ void copy_kernel(const uint4* in, uint4* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -172,7 +174,7 @@ int main(int argc, char** argv) {
   for (bool centered : {false, true}) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {256, 4096}, {128, 4096}, {64, 4096},
+             {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 4096}, {128, 4096}, {64, 4096},
              {64, 8192}, {16, 4096}, {8, 4096}, {1, 4096}}) {
       char name[32];
       std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
@@ -191,6 +193,11 @@ int main(int argc, char** argv) {
   CHECK(cudaGetDeviceProperties(&prop, dev));
   const float copy = copy_gbps(s, sms);
   std::printf("device %s, %d SMs, copy %.0f GB/s\n", prop.name, sms, copy);
+  // What a launch costs in these graphs before any work: an empty kernel.
+  for (int blocks : {1, 64}) {
+    const float us = time_us(s, [&] { empty_kernel<<<blocks, 256, 0, s>>>(); });
+    std::printf("empty kernel, %d blocks of 256: %.2f us a launch\n", blocks, us);
+  }
   std::printf("%-3s %-9s %12s %3s %4s %3s %6s %6s %9s %6s %5s  %s\n", "op", "pass", "shape",
               "nv", "tpr", "rpb", "grid", "smem", "us", "GB/s", "copy", "err");
   constexpr int VEC = 8;
@@ -238,7 +245,6 @@ int main(int argc, char** argv) {
     // The plans the handlers take are marked *: few-rows kernels where they
     // serve, else the generic plan.
     const FewBwdPlan few = plan_bwd_few<bf16, bf16, bf16, VEC>(c.rows, H, regions, info);
-    const bool few_fwd_serves = few_fwd_threads(c.rows, nvec, sms) > 0;
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
     const RowPlan bwd_plan =
         plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
@@ -251,8 +257,8 @@ int main(int argc, char** argv) {
       auto mark_of = [&](const RowPlan& q, bool few_serves) {
         return !few_serves && q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
       };
-      const char* mark = mark_of(fwd_plan, few_fwd_serves);
       for (bool write_y : {true, false}) {
+        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, sms) > 0);
         FwdArgs a = fa;
         a.write_y = write_y;
         float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
@@ -264,35 +270,50 @@ int main(int argc, char** argv) {
       CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
       if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
       if (nv > kMaxBwdNv) continue;
-      mark = mark_of(bwd_plan, few.blocks > 0);
+      const char* mark = mark_of(bwd_plan, few.blocks > 0);
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
-      char name[8];
+      char name[16];
       std::snprintf(name, sizeof name, "%2d%s", nv, mark);
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
      }
     }
-    auto few_fwd = [&](auto nv) {
+    // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
+    // row fits its block, with scale and bias loaded with x (e) or at their
+    // use; * where the handler takes it.
+    auto few_fwd = [&](auto nv, auto write_y, auto early) {
       constexpr int NV = decltype(nv)::value;
-      const int threads = few_fwd_threads(c.rows, nvec, sms, NV);
-      if (threads == 0) return;
-      for (bool write_y : {true, false}) {
-        FwdArgs a = fa;
-        a.write_y = write_y;
-        float us = time_us(s, [&] {
-          CHECK(launch_fwd_few<bf16, bf16, bf16, VEC, NV>(s, threads, a));
-        });
-        const double bytes = write_y ? 2.0 * n * 2 : 1.0 * n * 2;
-        std::printf("%-3s %-9s %12s %2df%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                    write_y ? "fwd" : "stats", shape, NV, NV == kFewNv ? "*" : "", threads, 1,
-                    long(c.rows), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      constexpr bool kWriteY = decltype(write_y)::value, kEarly = decltype(early)::value;
+      const int threads = threads_per_row(nvec, NV);
+      if (threads > fwd_block_threads(NV, kWriteY)) return;
+      auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kWriteY, kEarly>;
+      bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
+      if (planned && kWriteY && NV == 4) {
+        planned = kEarly == (blocks_per_sm(fwd_block<bf16, bf16, bf16, VEC, NV, true, true>,
+                                           threads, 0, info) >=
+                             blocks_per_sm(fwd_block<bf16, bf16, bf16, VEC, NV, true, false>,
+                                           threads, 0, info));
       }
-      CHECK(launch_fwd_few<bf16, bf16, bf16, VEC, NV>(s, threads, fa));
+      FwdArgs a = fa;
+      a.write_y = kWriteY;
+      const float us = time_us(s, [&] { kernel<<<unsigned(c.rows), threads, 0, s>>>(a); });
+      const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
+      std::printf("%-3s %-9s %12s %2df%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                  kWriteY ? "fwd" : "stats", shape, NV, kEarly && kWriteY ? "e" : "",
+                  planned ? "*" : "", threads, 1, long(c.rows), "-", us, bytes / us / 1e3,
+                  100 * bytes / us / 1e3 / copy);
+      if (kWriteY) kernel<<<unsigned(c.rows), threads, 0, s>>>(fa);  // checked with dx
     };
-    // The few-rows kernels (row_norm_few.cuh, marked f), where they serve.
-    few_fwd(std::integral_constant<int, 1>{});
-    few_fwd(std::integral_constant<int, 4>{});
-    few_fwd(std::integral_constant<int, 2>{});
+    using yes = std::true_type;
+    using no = std::false_type;
+    few_fwd(std::integral_constant<int, 1>{}, no{}, no{});
+    few_fwd(std::integral_constant<int, 2>{}, no{}, no{});
+    few_fwd(std::integral_constant<int, 4>{}, no{}, no{});
+    few_fwd(std::integral_constant<int, 8>{}, no{}, no{});
+    few_fwd(std::integral_constant<int, 1>{}, yes{}, yes{});
+    few_fwd(std::integral_constant<int, 4>{}, yes{}, no{});
+    few_fwd(std::integral_constant<int, 4>{}, yes{}, yes{});
+    few_fwd(std::integral_constant<int, 2>{}, yes{}, yes{});
     // The few-rows backward, as planned (f*), and writing partial rows where
     // the plan is a cluster (fp).
     for (bool cluster : {true, false}) {

@@ -1,8 +1,9 @@
 // FFI handlers for the row norms on CUDA: argument checks, dtype dispatch and
-// the choice of a plan. The kernels are in row_norm_kernels.cuh, and those for
-// few rows in row_norm_few.cuh.
+// the choice of a plan. The kernels that give a row a block of its own (the
+// forward wherever a row fits a block, the backward for few rows) are in
+// row_norm_block.cuh; the others in row_norm_kernels.cuh.
 #include "common/row_norm_args.h"
-#include "cuda/row_norm_few.cuh"
+#include "cuda/row_norm_block.cuh"
 
 namespace jaxnorm::cuda {
 namespace {
@@ -10,8 +11,8 @@ namespace {
 template <typename X, typename Y, typename W, int VEC>
 ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
   if constexpr (VEC > 1) {
-    if (const int threads = few_fwd_threads(a.rows, a.hidden / VEC, dev.sms)) {
-      return cuda_error(launch_fwd_few<X, Y, W, VEC>(stream, threads, a), "row_norm_fwd");
+    if (const int nv = block_fwd_nv(a.rows, a.hidden / VEC, a.write_y, dev.sms)) {
+      return cuda_error(launch_fwd_block<X, Y, W, VEC>(stream, dev, nv, a), "row_norm_fwd");
     }
   }
   RowPlan p = plan_fwd(a.rows, a.hidden / VEC, VEC, dev.sms);

@@ -1,6 +1,8 @@
 // CUDA kernels for the row norms, RMSNorm (centered = false) and LayerNorm
 // (centered = true), forward and backward, with the launch planning. The FFI
 // handlers are in row_norm.cu; benchmarks/kernels/ times the plans directly.
+// The forward runs here only where row_norm_block.cuh's one-block-a-row
+// kernel does not serve; the backward, for all but few rows.
 //
 // Register path: a row is split over `tpr` threads that each hold NV 16-byte
 // vectors of it in registers, packed in the input dtype (bf16 stays bf16: half
@@ -109,16 +111,17 @@ inline RowPlan one_row_per_block(RowPlan p, int64_t rows) {
 }
 
 // The element-wise path (VEC = 1), forward and backward: 4 elements a thread,
-// else the long path. (Few rows with 16-byte vectors take the kernels of
-// row_norm_few.cuh.)
+// else the long path.
 inline RowPlan elementwise_plan(int64_t rows, int64_t nvec, int sms) {
   return plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
 }
 
-// Forward (and the statistics-only forward). Rows of up to 128 vectors: 4 per
-// thread, several rows per block, staged. Up to 1024: 8 per thread straight to
-// registers, one row per (small) block. Up to 2048: 4 per thread, staged.
-// Longer: 16 per thread in registers, then the long path.
+// Forward (and the statistics-only forward), where row_norm_block.cuh's
+// kernel does not serve (the handler asks it first): short rows, rows too long
+// for one block, and rows not in whole 16-byte vectors. Rows of up to 128
+// vectors: 4 per thread, several rows per block, staged. Up to 1024: 8 per
+// thread straight to registers, one row per (small) block. Up to 2048: 4 per
+// thread, staged. Longer: 16 per thread in registers, then the long path.
 inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
   if (vec == 1) return elementwise_plan(rows, nvec, sms);
   if (nvec <= 128) return plan_with_nv(rows, nvec, 4, sms);
@@ -150,6 +153,21 @@ auto with_variant(const RowPlan& p, F&& f) {
     }
     return f(Variant<4>{});
   }
+}
+
+// Writes VEC outputs (x - mean) * rstd [* w] [+ b] of one vector to dst.
+template <int VEC, typename Y, typename X, typename A>
+__device__ __forceinline__ void normalize_store(Y* dst, const RegVec<X, VEC>& x, A mean,
+                                                A rstd, const A (&w)[VEC], bool use_w,
+                                                const A (&b)[VEC], bool use_b) {
+  A o[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) {
+    o[e] = (x.get(e) - mean) * rstd;
+    if (use_w) o[e] *= w[e];
+    if (use_b) o[e] += b[e];
+  }
+  store_vec(dst, o);
 }
 
 // Vector c of a row when it is in the row, else zeros.
@@ -351,16 +369,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
     for (int i = 0; i < NV; ++i) {
       const int64_t c = t.lane + int64_t(i) * a.tpr;
       if (c >= t.nvec) continue;
-      A o[VEC], w[VEC], b[VEC];
+      A w[VEC], b[VEC];
       if (use_w) load_vec(w, w_src + c * VEC);
       if (use_b) load_vec(b, b_src + c * VEC);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        o[e] = (xv[i].get(e) - mean) * rstd;
-        if (use_w) o[e] *= w[e];
-        if (use_b) o[e] += b[e];
-      }
-      store_vec(yr + c * VEC, o);
+      normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
     }
   }
   cp_async_wait<0>();  // no copy may outlive the block

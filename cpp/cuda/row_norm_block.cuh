@@ -1,17 +1,20 @@
-// Row-norm kernels for few rows (decode: 1 to a few hundred rows), where each
-// block has one row to do and nothing hides latency: what counts is the length
-// of one thread's chain. They issue every load they need (x, dy, the row's
-// statistics, scale and bias) before the first reduction, index within a row
-// in 32 bits and take one row a block. The generic kernels
-// (row_norm_kernels.cuh) ran about three times the instructions and loaded the
-// parameters only after the reduction: a second memory round trip.
+// Row-norm kernels that give each row a block of its own and hold it in
+// registers, issuing every load they need (x, dy, the row's statistics, scale
+// and bias) before the first reduction, indexing within a row in 32 bits.
 //
-// The backward takes one row a block too. Up to 16 rows, it finishes
-// dscale/dbias in the same launch: its blocks form one thread-block cluster
-// (sm_90), and each block sums one slice of the columns over the cluster's
-// blocks through distributed shared memory, in block order. More rows write
-// one partial row each, summed in order by sum_partials. No atomics: the same
-// bits on every run.
+// The forward takes them for any number of rows that fit a block: for few
+// rows (decode: 1 to a few hundred), where each block has one row to do and
+// nothing hides latency, the generic kernels (row_norm_kernels.cuh) ran about
+// three times the instructions and loaded the parameters only after the
+// reduction; for many rows they also move more bytes a second than the
+// generic kernels' ring and staged parameters (benchmarks/NOTES.md, v6).
+//
+// The backward takes them for few rows only: one row a block. Up to 16 rows,
+// it finishes dscale/dbias in the same launch: its blocks form one
+// thread-block cluster (sm_90), and each block sums one slice of the columns
+// over the cluster's blocks through distributed shared memory, in block
+// order. More rows write one partial row each, summed in order by
+// sum_partials. No atomics: the same bits on every run.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -20,8 +23,8 @@
 
 namespace jaxnorm::cuda {
 
-constexpr int kFewNv = 2;            // 16-byte vectors a thread
-constexpr int kFewThreads = 1024;    // forward block, at most
+constexpr int kFewNv = 2;            // 16-byte vectors a thread, few rows
+constexpr int kBlockThreads = 1024;  // forward block, at most
 constexpr int kFewBwdThreads = 512;  // backward block, at most
 constexpr int kFewPortableCluster = 8;
 constexpr int kFewMaxCluster = 16;   // non-portable, where the device has it
@@ -73,19 +76,34 @@ __device__ __forceinline__ void block_sum(A (&v)[K], A* smem) {
 
 // ----------------------------------------------------------------- forward
 
-// One block a row, grid = rows.
-template <typename X, typename Y, typename W, int VEC, int NV = kFewNv>
-__global__ void __launch_bounds__(kFewThreads) fwd_few(FwdArgs a) {
+// Largest block of fwd_block: with y written, 4 or more vectors of x, scale
+// and bias need more than the 64 registers a 1024-thread block leaves.
+constexpr int fwd_block_threads(int nv, bool write_y) {
+  return write_y && nv > kFewNv ? 512 : kBlockThreads;
+}
+
+// One block a row, grid = rows. kWriteY = false writes the statistics only
+// (the forward of a gradient, whose output is unused). kEarlyParams loads
+// scale and bias with x, before the reduction, rather than at their use: one
+// memory round trip fewer, for more registers.
+template <typename X, typename Y, typename W, int VEC, int NV, bool kWriteY,
+          bool kEarlyParams>
+__global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
   using A = acc_t<X>;
+  constexpr int kHeld = kWriteY && kEarlyParams ? NV : 1;  // parameter vectors held
   __shared__ A smem[2][32];  // block_sum's, one for each sum
   const int nvec = int(a.hidden / VEC), lane = threadIdx.x;
   const int64_t row = blockIdx.x;
-  const bool use_w = a.write_y && a.has_scale, use_b = a.write_y && a.has_bias;
+  const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && a.has_bias;
+  const W* scale = static_cast<const W*>(a.scale);
+  const W* bias = static_cast<const W*>(a.bias);
   RegVec<X, VEC> xv[NV];
-  RegVec<W, VEC> wv[NV], bv[NV];
+  RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, static_cast<const X*>(a.x) + row * a.hidden, lane, nvec);
-  if (use_w) load_row(wv, static_cast<const W*>(a.scale), lane, nvec);
-  if (use_b) load_row(bv, static_cast<const W*>(a.bias), lane, nvec);
+  if constexpr (kHeld == NV) {
+    if (use_w) load_row(wv, scale, lane, nvec);
+    if (use_b) load_row(bv, bias, lane, nvec);
+  }
   A mean, rstd;
   row_stats(xv, lane, blockDim.x, nvec, a, A(1) / A(a.hidden), mean, rstd,
             [&](A (&v)[1], int k) { block_sum(v, smem[k]); });
@@ -93,34 +111,66 @@ __global__ void __launch_bounds__(kFewThreads) fwd_few(FwdArgs a) {
     if (a.centered) static_cast<A*>(a.mean)[row] = mean;
     static_cast<A*>(a.rstd)[row] = rstd;
   }
-  if (!a.write_y) return;
-  Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
+  if constexpr (kWriteY) {
+    Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int c = lane + i * blockDim.x;
-    if (c >= nvec) continue;
-    A o[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      o[e] = (xv[i].get(e) - mean) * rstd;
-      if (use_w) o[e] *= wv[i].get(e);
-      if (use_b) o[e] += bv[i].get(e);
+    for (int i = 0; i < NV; ++i) {
+      const int c = lane + i * blockDim.x;
+      if (c >= nvec) continue;
+      A w[VEC], b[VEC];
+      if constexpr (kHeld == NV) {
+        unpack(w, wv[i]);
+        unpack(b, bv[i]);
+      } else {
+        if (use_w) load_vec(w, scale + c * VEC);
+        if (use_b) load_vec(b, bias + c * VEC);
+      }
+      normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
     }
-    store_vec(yr + c * VEC, o);
   }
 }
 
-// fwd_few's block size for a launch, or 0 where it does not serve.
-inline int few_fwd_threads(int64_t rows, int64_t nvec, int sms, int nv = kFewNv) {
-  if (rows > 4 * int64_t(sms)) return 0;
+// Vectors a thread with which fwd_block serves a launch, or 0 where it does
+// not. Few rows (at most 4 an SM): 2, where a row fits a block that way.
+// Otherwise 4 with y written, 8 for statistics only, when a row fills at
+// least a warp (two warps for statistics): on shorter rows the generic
+// kernels' several rows a block are faster. Measured on an H200
+// (benchmarks/NOTES.md, v6).
+inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
+  if (rows > (int64_t(1) << 30)) return 0;
+  if (rows <= 4 * int64_t(sms) && threads_per_row(nvec, kFewNv) <= kBlockThreads) {
+    return kFewNv;
+  }
+  const int nv = write_y ? 4 : 8;
   const int tpr = threads_per_row(nvec, nv);
-  return tpr <= kFewThreads ? tpr : 0;
+  return tpr >= (write_y ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
 }
 
-template <typename X, typename Y, typename W, int VEC, int NV = kFewNv>
-cudaError_t launch_fwd_few(cudaStream_t stream, int threads, FwdArgs a) {
-  fwd_few<X, Y, W, VEC, NV><<<unsigned(a.rows), threads, 0, stream>>>(a);
-  return cudaGetLastError();
+// Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
+// Scale and bias are loaded with x for few rows, where nothing else would
+// hide a second memory round trip; for many rows, where that costs the SM no
+// block (with float32 parameters and 4 vectors a thread it takes 106
+// registers instead of 54; at 384 threads a block, 64 instead of 52 cost a
+// block and 7% at 8192x12288 on an H200, while at 256 threads it was 7%
+// faster: benchmarks/NOTES.md, v6).
+template <typename X, typename Y, typename W, int VEC>
+cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
+                             const FwdArgs& a) {
+  const int threads = threads_per_row(a.hidden / VEC, nv);
+  auto launch = [&](void (*kernel)(FwdArgs)) {
+    kernel<<<unsigned(a.rows), threads, 0, stream>>>(a);
+    return cudaGetLastError();
+  };
+  if (!a.write_y) {
+    return launch(nv == kFewNv ? fwd_block<X, Y, W, VEC, kFewNv, false, false>
+                               : fwd_block<X, Y, W, VEC, 8, false, false>);
+  }
+  if (nv == kFewNv) return launch(fwd_block<X, Y, W, VEC, kFewNv, true, true>);
+  auto early = fwd_block<X, Y, W, VEC, 4, true, true>;
+  auto late = fwd_block<X, Y, W, VEC, 4, true, false>;
+  const bool no_cost =
+      blocks_per_sm(early, threads, 0, dev) >= blocks_per_sm(late, threads, 0, dev);
+  return launch(no_cost ? early : late);
 }
 
 // ---------------------------------------------------------------- backward
