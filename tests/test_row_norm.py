@@ -170,15 +170,16 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 
 
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
-# row_norm_block.cuh) on a GPU with up to 132 SMs: one row (one block writes the
-# gradients itself); up to 16 rows (the backward as one cluster of 5 or 16
-# blocks; a row not a whole number of a thread's vectors; a block smaller than
-# a warp); a few hundred rows;
-# short rows several to a block; 4096 and 12288
-# wide (8 and 4 vectors a thread); rows too long for registers; parameters of
+# row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528):
+# one row (one block writes the gradients itself); up to 16 rows (the
+# backward as one cluster of 5 or 16 blocks; a row not a whole number of a
+# thread's vectors; a block smaller than a warp); a few hundred rows; rows too
+# long for one block (3x65536). Over 528 rows: one block a row at 1024-32768
+# wide (4 vectors a thread with y, 8 for statistics only, 16384 and 32768 the
+# widest); short rows several to a block (statistics of 1024-wide rows);
+# statistics of 2048-wide rows (the generic 8-vector plan); parameters of
 # another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
-# bf16 scale, rows not whole 16-byte chunks of it); over 528 rows of 16384
-# and 32768 (the widest rows of one block a row, with and without y).
+# bf16 scale, rows not whole 16-byte chunks of it).
 PLAN_CASES = [
     ((1, 4096), jnp.bfloat16, jnp.bfloat16),
     ((40, 1024), jnp.bfloat16, jnp.bfloat16),
@@ -194,6 +195,7 @@ PLAN_CASES = [
     ((700, 2052), jnp.float32, jnp.bfloat16),
     ((540, 16384), jnp.bfloat16, jnp.float32),
     ((540, 32768), jnp.bfloat16, jnp.bfloat16),
+    ((600, 2048), jnp.bfloat16, jnp.bfloat16),
 ]
 
 

@@ -116,17 +116,16 @@ inline RowPlan elementwise_plan(int64_t rows, int64_t nvec, int sms) {
   return plan_with_nv(rows, nvec, nvec <= kMaxRowThreads * 4 ? 4 : 0, sms);
 }
 
-// Forward (and the statistics-only forward), where row_norm_block.cuh's
-// kernel does not serve (the handler asks it first): short rows, rows too long
-// for one block, and rows not in whole 16-byte vectors. Rows of up to 128
-// vectors: 4 per thread, several rows per block, staged. Up to 1024: 8 per
-// thread straight to registers, one row per (small) block. Up to 2048: 4 per
-// thread, staged. Longer: 16 per thread in registers, then the long path.
+// Forward (and the statistics-only forward) where row_norm_block.cuh's
+// kernel does not serve (the handler asks it first), which leaves: rows of up
+// to 128 vectors, 4 per thread, several rows per block, staged; statistics of
+// rows up to 504 vectors (under two warps at 8 a thread), 8 per thread
+// straight to registers, one row per (small) block; rows too long for one
+// block, 16 per thread in registers, then the long path.
 inline RowPlan plan_fwd(int64_t rows, int64_t nvec, int vec, int sms) {
   if (vec == 1) return elementwise_plan(rows, nvec, sms);
   if (nvec <= 128) return plan_with_nv(rows, nvec, 4, sms);
   if (nvec <= 1024) return one_row_per_block(plan_with_nv(rows, nvec, 8, sms), rows);
-  if (nvec <= 4 * kMaxRowThreads) return plan_with_nv(rows, nvec, 4, sms);
   return plan_with_nv(rows, nvec, nvec <= 16 * kMaxRowThreads ? 16 : 0, sms);
 }
 
