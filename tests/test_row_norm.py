@@ -171,11 +171,13 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
 # row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528):
-# one row (one block writes the gradients itself); up to 16 rows (the
-# backward as one cluster of 5 or 16 blocks; a row not a whole number of a
-# thread's vectors; a block smaller than a warp); a few hundred rows; rows too
-# long for one block (3x65536). Over 528 rows: one block a row at 1024-32768
-# wide (4 vectors a thread with y, 8 for statistics only, 16384 and 32768 the
+# one row (one block writes the gradients itself); more rows, the column plan
+# (row dots, then blocks of 4 column vectors over all rows): a row not a whole
+# number of a thread's vectors nor of a column block's (7x2052 float32: 513
+# vectors), float16 and float64 rows, 300 rows (each thread of a column block
+# takes 5); a block smaller than a warp (generic kernels); rows too long for
+# one block (3x65536). Over 528 rows: one block a row at 1024-32768 wide (4
+# vectors a thread with y, 8 for statistics only, 16384 and 32768 the
 # widest); short rows several to a block (statistics of 1024-wide rows);
 # statistics of 2048-wide rows (the generic 8-vector plan); parameters of
 # another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
@@ -187,6 +189,9 @@ PLAN_CASES = [
     ((16, 1024), jnp.bfloat16, jnp.bfloat16),
     ((5, 16), jnp.bfloat16, jnp.bfloat16),
     ((7, 2052), jnp.float32, jnp.bfloat16),
+    ((24, 2048), jnp.float16, jnp.float16),
+    ((6, 512), jnp.float64, jnp.float64),
+    ((300, 1024), jnp.bfloat16, jnp.bfloat16),
     ((1100, 1024), jnp.bfloat16, jnp.bfloat16),
     ((1100, 4096), jnp.bfloat16, jnp.bfloat16),
     ((1100, 12288), jnp.bfloat16, jnp.bfloat16),
@@ -301,10 +306,11 @@ def test_nonfinite_rows_stay_in_their_row(op):
     assert_close(y[good], norm_np(x[good], scale, bias, eps, centered, 1), jnp.float32)
 
 
-def test_backward_is_deterministic():
-    x = rand(81, (4096, 512), jnp.float32)
+@pytest.mark.parametrize("rows", [4096, 100])  # on a GPU: partial rows; the column plan
+def test_backward_is_deterministic(rows):
+    x = rand(81, (rows, 512), jnp.float32)
     scale, bias = params("layer_norm", 81, (512,), jnp.float32)
-    dy = rand(82, (4096, 512), jnp.float32)
+    dy = rand(82, (rows, 512), jnp.float32)
     f = jax.jit(lambda *a: jax.vjp(jaxnorm.layer_norm, *a)[1](dy))
     first = f(x, scale, bias)
     for _ in range(3):

@@ -5,7 +5,8 @@
 // give the ceilings: a grid-stride copy, and one that loads 8 vectors a thread
 // before storing them (the forward's pattern without the arithmetic).
 // The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
-// limits the run to those shapes.
+// limits the run to those shapes; PROBE=1 launches each plan three times
+// instead of timing it (for Nsight Compute).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -42,6 +43,11 @@ __global__ void fill(bf16* p, int64_t n, uint32_t seed, float offset) {
 // Median over `reps` of the time per call of `calls` launches in a graph (µs).
 template <typename F>
 float time_us(cudaStream_t s, F launch, int calls = 20, int reps = 7) {
+  if (std::getenv("PROBE")) {  // a few plain launches each, for a profiler
+    for (int i = 0; i < 3; ++i) launch();
+    CHECK(cudaStreamSynchronize(s));
+    return 1.0f;
+  }
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -174,8 +180,9 @@ int main(int argc, char** argv) {
   for (bool centered : {false, true}) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 4096}, {128, 4096}, {64, 4096},
-             {64, 8192}, {16, 4096}, {8, 4096}, {1, 4096}}) {
+             {2048, 32768}, {512, 65536}, {1024, 65536}, {512, 4096}, {256, 4096},
+             {128, 4096}, {64, 4096}, {64, 8192}, {32, 4096}, {16, 4096}, {8, 4096},
+             {2, 4096}, {1, 4096}}) {
       char name[32];
       std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
       const char* only = std::getenv("SHAPES");  // e.g. "64x4096,1x4096"
@@ -244,7 +251,7 @@ int main(int argc, char** argv) {
     };
     // The plans the handlers take are marked *: few-rows kernels where they
     // serve, else the generic plan.
-    const FewBwdPlan few = plan_bwd_few<bf16, bf16, bf16, VEC>(c.rows, H, regions, info);
+    const FewBwdPlan few = plan_bwd_few<bf16, VEC>(c.rows, H, info);
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
     const RowPlan bwd_plan =
         plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
@@ -285,24 +292,27 @@ int main(int argc, char** argv) {
       constexpr int NV = decltype(nv)::value;
       constexpr bool kWriteY = decltype(write_y)::value, kEarly = decltype(early)::value;
       const int threads = threads_per_row(nvec, NV);
-      if (threads > fwd_block_threads(NV, kWriteY)) return;
-      auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kWriteY, kEarly>;
-      bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
-      if (planned && kWriteY && NV == 4) {
-        planned = kEarly == (blocks_per_sm(fwd_block<bf16, bf16, bf16, VEC, NV, true, true>,
-                                           threads, 0, info) >=
-                             blocks_per_sm(fwd_block<bf16, bf16, bf16, VEC, NV, true, false>,
-                                           threads, 0, info));
-      }
-      FwdArgs a = fa;
-      a.write_y = kWriteY;
-      const float us = time_us(s, [&] { kernel<<<unsigned(c.rows), threads, 0, s>>>(a); });
-      const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
-      std::printf("%-3s %-9s %12s %2df%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                  kWriteY ? "fwd" : "stats", shape, NV, kEarly && kWriteY ? "e" : "",
-                  planned ? "*" : "", threads, 1, long(c.rows), "-", us, bytes / us / 1e3,
-                  100 * bytes / us / 1e3 / copy);
-      if (kWriteY) kernel<<<unsigned(c.rows), threads, 0, s>>>(fa);  // checked with dx
+      if (threads < 32 || threads > fwd_block_threads(NV, kWriteY)) return;
+      with_centered(c.centered, [&](auto centered) {
+        constexpr bool kC = decltype(centered)::value;
+        auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly>;
+        bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
+        if (planned && kWriteY && NV == 4) {  // launch_fwd_block's rule
+          auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
+          auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
+          planned = kEarly == (4 * blocks_per_sm(early, threads, 0, info) >=
+                               3 * blocks_per_sm(late, threads, 0, info));
+        }
+        FwdArgs a = fa;
+        a.write_y = kWriteY;
+        const float us = time_us(s, [&] { kernel<<<unsigned(c.rows), threads, 0, s>>>(a); });
+        const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
+        std::printf("%-3s %-9s %12s %2df%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    kWriteY ? "fwd" : "stats", shape, NV, kEarly && kWriteY ? "e" : "",
+                    planned ? "*" : "", threads, 1, long(c.rows), "-", us, bytes / us / 1e3,
+                    100 * bytes / us / 1e3 / copy);
+        if (kWriteY) kernel<<<unsigned(c.rows), threads, 0, s>>>(fa);  // checked with dx
+      });
     };
     using yes = std::true_type;
     using no = std::false_type;
@@ -314,13 +324,28 @@ int main(int argc, char** argv) {
     few_fwd(std::integral_constant<int, 4>{}, yes{}, no{});
     few_fwd(std::integral_constant<int, 4>{}, yes{}, yes{});
     few_fwd(std::integral_constant<int, 2>{}, yes{}, yes{});
-    // The few-rows backward, as planned (f*), and writing partial rows where
-    // the plan is a cluster (fp).
-    for (bool cluster : {true, false}) {
-      const FewBwdPlan fp = plan_bwd_few<bf16, bf16, bf16, VEC>(c.rows, H, regions, info, cluster);
-      if (fp.blocks == 0 || (!cluster && few.sums != FewSums::kCluster)) continue;
-      time_bwd(cluster ? " 2f*" : " 2fp", fp.threads, 1, fp.blocks, fp.smem,
-               [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, fp, info, ba)); });
+    // The few-rows backward as planned (f*: one block for one row, fk* the
+    // column plan), and the column plan's two launches alone (fk-dots,
+    // fk-cols: timed, not checked).
+    if (few.blocks > 0) {
+      time_bwd(few.columns ? "2fk*" : " 2f*", few.threads, 1, few.blocks, 0,
+               [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, few, ba)); });
+    }
+    if (few.columns) {
+      with_centered(c.centered, [&](auto centered) {
+        constexpr bool kC = decltype(centered)::value;
+        const unsigned col_grid = unsigned((nvec + kColVecs - 1) / kColVecs);
+        const float us_dots = time_us(s, [&] {
+          bwd_few<bf16, bf16, bf16, VEC, kC, true><<<few.blocks, few.threads, 0, s>>>(ba);
+        });
+        const float us_cols = time_us(s, [&] {
+          bwd_cols<bf16, bf16, bf16, VEC, kC><<<col_grid, kColThreads, 0, s>>>(ba);
+        });
+        std::printf("%-3s %-9s %12s %3s %4d %3d %6d %6s %9.1f\n", op, "bwd", shape, "fk-dots",
+                    few.threads, 1, few.blocks, "-", us_dots);
+        std::printf("%-3s %-9s %12s %3s %4d %3d %6u %6s %9.1f\n", op, "bwd", shape, "fk-cols",
+                    kColThreads, kColRows, col_grid, "-", us_cols);
+      });
     }
     CHECK(cudaStreamSynchronize(s));
     for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)w, (void*)b,

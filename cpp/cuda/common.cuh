@@ -135,6 +135,14 @@ struct RegVec {
       for (int k = 0; k < kWords; ++k) w[k] = q[k];
     }
   }
+  // Tells the compiler the words may have changed, so that it converts them
+  // at their next use rather than early, holding every converted value in
+  // registers meanwhile (scale and bias loaded with x wait through the
+  // reductions as packed words). No instruction.
+  __device__ __forceinline__ void forget_converted() {
+#pragma unroll
+    for (int k = 0; k < kWords; ++k) asm volatile("" : "+r"(w[k]));
+  }
   __device__ __forceinline__ acc_t<T> get(int e) const {
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       const uint32_t word = w[e / 2];
@@ -213,6 +221,7 @@ struct RegVec<T, N, false> {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = from_acc<T>(in[k]);
   }
+  __device__ __forceinline__ void forget_converted() {}
   __device__ __forceinline__ acc_t<T> get(int e) const { return to_acc(v[e]); }
 };
 
@@ -300,7 +309,6 @@ inline bool aligned16(const void* p) {
 struct DeviceInfo {
   int device = 0;
   int sms = 132;
-  int cc_major = 9;  // compute capability (clusters from 9)
   // Dynamic shared memory one block may opt in to, less a margin for the
   // kernels' static shared memory.
   size_t max_dynamic_smem = 47 * 1024;
@@ -312,9 +320,6 @@ inline DeviceInfo query_device(int device) {
   int v = 0;
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
     d.sms = v;
-  }
-  if (cudaDeviceGetAttribute(&v, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess) {
-    d.cc_major = v;
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
       cudaSuccess) {

@@ -19,7 +19,8 @@ ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdA
   return cuda_error(launch_fwd<X, Y, W, VEC>(stream, dev, p, a), "row_norm_fwd");
 }
 
-// Points a.partial at `bytes` of scratch (none when 0).
+// Points a.partial at `bytes` of scratch (none when 0): partial rows of
+// dscale/dbias, or the row dots of the few-rows column plan.
 inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t bytes,
                                        BwdArgs& a) {
   if (bytes == 0) return ffi::Error::Success();
@@ -36,14 +37,14 @@ inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t by
 template <typename X, typename G, typename W, int VEC>
 ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
                           ffi::ScratchAllocator& scratch, BwdArgs a) {
-  const int regions = int(a.has_scale) + int(a.has_bias);
   if constexpr (VEC > 1) {
-    const FewBwdPlan few = plan_bwd_few<X, G, W, VEC>(a.rows, a.hidden, regions, dev);
+    const FewBwdPlan few = plan_bwd_few<X, VEC>(a.rows, a.hidden, dev);
     if (few.blocks > 0) {
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
-      return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, dev, a), "row_norm_bwd");
+      return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
     }
   }
+  const int regions = int(a.has_scale) + int(a.has_bias);
   RowPlan p = plan_bwd_rows<X, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));

@@ -2,22 +2,21 @@
 // registers, issuing every load they need (x, dy, the row's statistics, scale
 // and bias) before the first reduction, indexing within a row in 32 bits.
 //
-// The forward takes them for any number of rows that fit a block: for few
-// rows (decode: 1 to a few hundred), where each block has one row to do and
-// nothing hides latency, the generic kernels (row_norm_kernels.cuh) ran about
-// three times the instructions and loaded the parameters only after the
-// reduction; for many rows they also move more bytes a second than the
-// generic kernels' ring and staged parameters (benchmarks/NOTES.md, v6).
+// The forward takes them for any number of rows that fit a block. For few
+// rows (decode: 1 to a few hundred) each SM has one block and nothing hides
+// latency: a launch takes about as long as its warps' instruction streams
+// (Nsight Compute: 7 cycles an instruction), so these kernels are specialized
+// for RMSNorm or LayerNorm at compile time and keep their reductions short.
+// For many rows they move more bytes a second than the generic kernels' ring
+// and staged parameters (benchmarks/NOTES.md, v6 and v7).
 //
-// The backward takes them for few rows only: one row a block. Up to 16 rows,
-// it finishes dscale/dbias in the same launch: its blocks form one
-// thread-block cluster (sm_90), and each block sums one slice of the columns
-// over the cluster's blocks through distributed shared memory, in block
-// order. More rows write one partial row each, summed in order by
-// sum_partials. No atomics: the same bits on every run.
+// The backward takes them for few rows only. One row: one block writes dx,
+// dscale and dbias. More rows: the column plan, two launches. The first, one
+// block a row, writes each row's two dot products; the second gives each
+// block a slice of the columns of every row, so that it writes dx there and
+// sums dscale/dbias of its columns itself. No atomics and no partial rows:
+// the same bits on every run.
 #pragma once
-
-#include <cooperative_groups.h>
 
 #include "cuda/row_norm_kernels.cuh"
 
@@ -26,8 +25,6 @@ namespace jaxnorm::cuda {
 constexpr int kFewNv = 2;            // 16-byte vectors a thread, few rows
 constexpr int kBlockThreads = 1024;  // forward block, at most
 constexpr int kFewBwdThreads = 512;  // backward block, at most
-constexpr int kFewPortableCluster = 8;
-constexpr int kFewMaxCluster = 16;   // non-portable, where the device has it
 
 // Loads a thread's NV vectors of a row (zeros past its end).
 template <int VEC, int NV, typename T>
@@ -40,38 +37,76 @@ __device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[NV], const T* row,
   }
 }
 
-// Sums K values over the block in a fixed order; every thread gets the
-// totals. Unlike row_sum (common.cuh), the whole block is one row, and there
-// is no barrier at the end: `smem` (32 * K values) must not be written again
-// before every thread has returned. Measured 0.1-0.3 µs faster than row_sum
-// per decode kernel (benchmarks/NOTES.md, v5).
-template <int K, typename A>
-__device__ __forceinline__ void block_sum(A (&v)[K], A* smem) {
-  if (blockDim.x < 32) {  // a power of two: shuffle among those lanes only
-    const unsigned lanes = (1u << blockDim.x) - 1;
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      for (int off = blockDim.x / 2; off > 0; off /= 2)
-        v[k] += __shfl_xor_sync(lanes, v[k], off);
-    return;
+// term(I) + ... + term(I + N - 1) as a balanced tree: dependency chains of
+// log2(N) adds rather than N, each term computed where the tree needs it.
+template <int N, int I = 0, typename F>
+__device__ __forceinline__ auto tree_sum(F&& term) {
+  if constexpr (N == 1) {
+    return term(I);
+  } else {
+    return tree_sum<N / 2, I>(term) + tree_sum<N - N / 2, I + N / 2>(term);
   }
+}
+
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
-  for (int k = 0; k < K; ++k)
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// K sums for each warp of a block that holds one row (blockDim.x a multiple
+// of 32).
+template <int K, typename A>
+struct WarpSlots {
+  Packed<A, K> v[32];
+};
+
+// Sums K values over the block (one row); every thread gets the totals. Each
+// warp's sums go to `slots`; then lane w of every warp reads warp w's, and a
+// butterfly adds them up: a fixed order, the same bits in every thread. One
+// barrier; `slots` must not be written again by this block. A loop over the
+// warps instead (its trip count known at run time only) made the decode
+// kernels 1.3x longer in instructions (benchmarks/NOTES.md, v7).
+template <int K, typename A>
+__device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
 #pragma unroll
-    for (int off = 16; off > 0; off /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
-  const int warps = blockDim.x / 32;
-  if (warps == 1) return;
-  if (threadIdx.x % 32 == 0) {
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  const int lane = threadIdx.x % 32;
+  if (lane == 0) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) smem[k * 32 + threadIdx.x / 32] = v[k];
+    for (int k = 0; k < K; ++k) slots.v[threadIdx.x / 32].v[k] = v[k];
   }
   __syncthreads();
+  Packed<A, K> p = {};
+  if (lane < int(blockDim.x / 32)) p = slots.v[lane];
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    A s = 0;
-    for (int w = 0; w < warps; ++w) s += smem[k * 32 + w];
-    v[k] = s;
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(p.v[k]);
+}
+
+// A row's mean (0 unless kCentered) and 1 / sqrt(variance + epsilon) in the
+// decode kernels, from the NV vectors each thread holds (zeros past the row's
+// end): exact two passes over the registers, one block_sum each. A one-barrier Chan merge of
+// per-warp (count, mean, M2) measured no faster (benchmarks/NOTES.md, v7).
+template <bool kCentered, typename A, int VEC, int NV, typename X>
+__device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV], int nvec,
+                                                A inv_n, A epsilon,
+                                                WarpSlots<1, A> (&slots)[2], A& mean,
+                                                A& rstd) {
+  auto x = [&](int k) { return xv[k / VEC].get(k % VEC); };  // the thread's element k
+  mean = 0;
+  if constexpr (kCentered) {
+    A s[1] = {tree_sum<NV * VEC>(x)};
+    block_sum(s, slots[0]);
+    mean = s[0] * inv_n;
   }
+  const int lane = threadIdx.x, step = blockDim.x;
+  A ss[1] = {tree_sum<NV * VEC>([&](int k) {
+    const A d = x(k) - mean;  // x is 0 past the row's end: d * d is 0 there for RMSNorm only
+    return kCentered && lane + k / VEC * step >= nvec ? A(0) : d * d;
+  })};
+  block_sum(ss, slots[1]);
+  rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
 }
 
 // ----------------------------------------------------------------- forward
@@ -82,40 +117,54 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
   return write_y && nv > kFewNv ? 512 : kBlockThreads;
 }
 
-// One block a row, grid = rows. kWriteY = false writes the statistics only
-// (the forward of a gradient, whose output is unused). kEarlyParams loads
-// scale and bias with x, before the reduction, rather than at their use: one
-// memory round trip fewer, for more registers.
-template <typename X, typename Y, typename W, int VEC, int NV, bool kWriteY,
+// One block a row, grid = rows. kCentered: LayerNorm (else RMSNorm).
+// kWriteY = false writes the statistics only (the forward of a gradient,
+// whose output is unused). kEarlyParams loads scale and bias with x, before
+// the reduction, rather than at their use: one memory round trip fewer, for
+// more registers.
+template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
           bool kEarlyParams>
 __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
   using A = acc_t<X>;
   constexpr int kHeld = kWriteY && kEarlyParams ? NV : 1;  // parameter vectors held
-  __shared__ A smem[2][32];  // block_sum's, one for each sum
-  const int nvec = int(a.hidden / VEC), lane = threadIdx.x;
+  __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
+  const int hidden = int(a.hidden), nvec = hidden / VEC, lane = threadIdx.x;
   const int64_t row = blockIdx.x;
-  const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && a.has_bias;
+  const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && kCentered && a.has_bias;
   const W* scale = static_cast<const W*>(a.scale);
   const W* bias = static_cast<const W*>(a.bias);
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
-  load_row(xv, static_cast<const X*>(a.x) + row * a.hidden, lane, nvec);
+  load_row(xv, static_cast<const X*>(a.x) + row * hidden, lane, nvec);
   if constexpr (kHeld == NV) {
     if (use_w) load_row(wv, scale, lane, nvec);
     if (use_b) load_row(bv, bias, lane, nvec);
   }
   A mean, rstd;
-  row_stats(xv, lane, blockDim.x, nvec, a, A(1) / A(a.hidden), mean, rstd,
-            [&](A (&v)[1], int k) { block_sum(v, smem[k]); });
+  const A inv_n = A(1) / A(hidden);
+  if constexpr (NV == kFewNv) {
+    block_row_stats<kCentered>(xv, nvec, inv_n, A(a.epsilon), slots, mean, rstd);
+  } else {
+    // Many rows: the generic kernels' statistics, centered or not at run
+    // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
+    // 64-83 registers instead of 52-64, which cost the SM a block and up to
+    // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
+    row_stats(xv, lane, int(blockDim.x), nvec, a, inv_n, mean, rstd,
+              [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
+  }
   if (lane == 0) {
-    if (a.centered) static_cast<A*>(a.mean)[row] = mean;
+    if (kCentered) static_cast<A*>(a.mean)[row] = mean;
     static_cast<A*>(a.rstd)[row] = rstd;
   }
   if constexpr (kWriteY) {
-    Y* yr = static_cast<Y*>(a.y) + row * a.hidden;
+    if constexpr (kHeld == NV) {
+      for (auto& v : wv) v.forget_converted();
+      for (auto& v : bv) v.forget_converted();
+    }
+    Y* yr = static_cast<Y*>(a.y) + row * hidden;
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int c = lane + i * blockDim.x;
+      const int c = lane + i * int(blockDim.x);
       if (c >= nvec) continue;
       A w[VEC], b[VEC];
       if constexpr (kHeld == NV) {
@@ -135,12 +184,11 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
 // Otherwise 4 with y written, 8 for statistics only, when a row fills at
 // least a warp (two warps for statistics): on shorter rows the generic
 // kernels' several rows a block are faster. Measured on an H200
-// (benchmarks/NOTES.md, v6).
+// (benchmarks/NOTES.md, v6). A block is at least a warp.
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
   if (rows > (int64_t(1) << 30)) return 0;
-  if (rows <= 4 * int64_t(sms) && threads_per_row(nvec, kFewNv) <= kBlockThreads) {
-    return kFewNv;
-  }
+  const int few_tpr = threads_per_row(nvec, kFewNv);
+  if (rows <= 4 * int64_t(sms) && few_tpr >= 32 && few_tpr <= kBlockThreads) return kFewNv;
   const int nv = write_y ? 4 : 8;
   const int tpr = threads_per_row(nvec, nv);
   return tpr >= (write_y ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
@@ -148,11 +196,12 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
 
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
-// hide a second memory round trip; for many rows, where that costs the SM no
-// block (with float32 parameters and 4 vectors a thread it takes 106
-// registers instead of 54; at 384 threads a block, 64 instead of 52 cost a
-// block and 7% at 8192x12288 on an H200, while at 256 threads it was 7%
-// faster: benchmarks/NOTES.md, v6).
+// hide a second memory round trip; for many rows, unless that costs the SM
+// more than a quarter of its blocks (with float32 parameters and 4 vectors a
+// thread it takes 106 registers instead of 54). On an H200 early loads were
+// faster at every bf16 shape measured (1.0-3.5%, costing up to 2 blocks of
+// 12) except LayerNorm at 384 threads a block, where 64 registers instead of
+// 52 leave 2 blocks of 3 and took 9% longer (benchmarks/NOTES.md, v6 and v7).
 template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
@@ -161,93 +210,32 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     kernel<<<unsigned(a.rows), threads, 0, stream>>>(a);
     return cudaGetLastError();
   };
-  if (!a.write_y) {
-    return launch(nv == kFewNv ? fwd_block<X, Y, W, VEC, kFewNv, false, false>
-                               : fwd_block<X, Y, W, VEC, 8, false, false>);
-  }
-  if (nv == kFewNv) return launch(fwd_block<X, Y, W, VEC, kFewNv, true, true>);
-  auto early = fwd_block<X, Y, W, VEC, 4, true, true>;
-  auto late = fwd_block<X, Y, W, VEC, 4, true, false>;
-  const bool no_cost =
-      blocks_per_sm(early, threads, 0, dev) >= blocks_per_sm(late, threads, 0, dev);
-  return launch(no_cost ? early : late);
+  return with_centered(a.centered, [&](auto centered) {
+    constexpr bool kC = decltype(centered)::value;
+    if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
+      return launch(nv == kFewNv ? fwd_block<X, X, X, VEC, kFewNv, kC, false, false>
+                                 : fwd_block<X, X, X, VEC, 8, kC, false, false>);
+    }
+    if (nv == kFewNv) return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true>);
+    auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
+    auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
+    const bool cheap =
+        4 * blocks_per_sm(early, threads, 0, dev) >= 3 * blocks_per_sm(late, threads, 0, dev);
+    return launch(cheap ? early : late);
+  });
 }
 
 // ---------------------------------------------------------------- backward
 
-// Block `rank` of the cluster sums its slice of the columns of every block's
-// `sums` ([region][hidden] in shared memory) in block order, 16 bytes at a
-// time, and writes dscale (region 0) and dbias.
-template <typename W, typename A>
-__device__ void write_cluster_sums(A* sums, int regions, const BwdArgs& a) {
-#if __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  constexpr int K = int(16 / sizeof(A));
-  cg::cluster_group cluster = cg::this_cluster();
-  const int blocks = gridDim.x;
-  const int64_t h = a.hidden, chunks = h / K, per = (chunks + blocks - 1) / blocks;
-  const int64_t lo = per * blockIdx.x;
-  const int64_t n = (lo + per < chunks ? per : chunks - lo > 0 ? chunks - lo : 0);
-  cluster.sync();  // every block's sums are in its shared memory
-  for (int64_t t = threadIdx.x; t < regions * n; t += blockDim.x) {
-    const int r = int(t / n);
-    const int64_t col = (lo + t % n) * K;
-    Packed<A, K> part[kFewMaxCluster];
-#pragma unroll
-    for (int b = 0; b < kFewMaxCluster; ++b) {  // all loads first
-      if (b < blocks) {
-        part[b] = *reinterpret_cast<const Packed<A, K>*>(
-            cluster.map_shared_rank(sums + r * h + col, b));
-      }
-    }
-    Packed<W, K> out;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      A s = 0;
-#pragma unroll
-      for (int b = 0; b < kFewMaxCluster; ++b) s += b < blocks ? part[b].v[k] : A(0);
-      out.v[k] = from_acc<W>(s);
-    }
-    W* dst = static_cast<W*>(r == 1 || !a.has_scale ? a.dbias : a.dscale);
-    *reinterpret_cast<Packed<W, K>*>(dst + col) = out;
-  }
-  cluster.sync();  // no block leaves while others read its shared memory
-#endif
-}
-
-// Where the backward's blocks put their rows' dscale/dbias terms.
-enum class FewSums {
-  kGradient,  // one block: the gradients themselves (W)
-  kCluster,   // its shared memory (A), summed over the cluster
-  kPartial,   // a row of a.partial (A), summed by sum_partials
-};
-
-// Writes VEC column sums at column c * VEC of `row` (16 bytes at a time).
-template <typename W, int VEC, typename A>
-__device__ __forceinline__ void store_sums(void* row, int c, const A (&v)[VEC], FewSums to) {
-  if (to == FewSums::kGradient) {
-    store_vec(static_cast<W*>(row) + c * VEC, v);
-  } else if (to == FewSums::kPartial) {
-    store_vec(static_cast<A*>(row) + c * VEC, v);
-  } else {
-    constexpr int K = int(16 / sizeof(A));
-#pragma unroll
-    for (int h = 0; h < VEC / K; ++h) {
-      Packed<A, K> p;
-#pragma unroll
-      for (int k = 0; k < K; ++k) p.v[k] = v[h * K + k];
-      reinterpret_cast<Packed<A, K>*>(static_cast<A*>(row) + c * VEC)[h] = p;
-    }
-  }
-}
-
-// One block a row; with kCluster the grid is one cluster.
-template <typename X, typename G, typename W, int VEC>
+// One block a row. kDots: the column plan's first launch, which writes each
+// row's mean(g * xhat) and mean(g) to a.partial ([row][2]) and nothing else.
+// Otherwise the grid is one block (one row), which writes dx, dscale and
+// dbias. kCentered: LayerNorm (else RMSNorm).
+template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots>
 __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   using A = acc_t<X>;
-  constexpr int NV = kFewNv;
-  __shared__ A red[32 * 2];
-  extern __shared__ __align__(16) unsigned char dyn[];
+  constexpr int NV = kFewNv, K = kCentered ? 2 : 1;  // row sums: g * xhat (and g)
+  __shared__ WarpSlots<K, A> slots;
   const int lane = threadIdx.x, nvec = int(a.hidden / VEC);
   const int64_t row = blockIdx.x;
   RegVec<W, VEC> wv[NV];
@@ -256,144 +244,155 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), lane, nvec);
   load_row(xv, static_cast<const X*>(a.x) + row * a.hidden, lane, nvec);
   load_row(gv, static_cast<const G*>(a.dy) + row * a.hidden, lane, nvec);
-  const A mean = a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
+  const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
   const A rstd = static_cast<const A*>(a.rstd)[row];
-  // xhat, dy and g = dy * scale of vector i (zeros past the row's end).
-  auto xhat_g = [&](int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      d[e] = gv[i].get(e);
-      xh[e] = (xv[i].get(e) - mean) * rstd;
-      g[e] = a.has_scale ? d[e] * wv[i].get(e) : d[e];
-    }
+  // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
+  auto g = [&](int k) {
+    const A d = gv[k / VEC].get(k % VEC);
+    return a.has_scale ? d * wv[k / VEC].get(k % VEC) : d;
   };
-  A s[2] = {0, 0};
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    A xh[VEC], d[VEC], g[VEC];
-    xhat_g(i, xh, d, g);
-    add_row_dots(s, g, xh);
-  }
-  block_sum(s, red);
+  auto xhat = [&](int k) { return (xv[k / VEC].get(k % VEC) - mean) * rstd; };
+  A s[K];  // rstd taken out of the sum: one multiply less an element
+  s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (xv[k / VEC].get(k % VEC) - mean); });
+  if constexpr (kCentered) s[K - 1] = tree_sum<NV * VEC>(g);
+  block_sum(s, slots);
   const A inv_n = A(1) / A(a.hidden);
-  const A c_gx = s[0] * inv_n, c_g = a.centered ? s[1] * inv_n : A(0);
-  // dscale and dbias: this row's terms, to where FewSums says.
-  const FewSums to = gridDim.x == 1 ? FewSums::kGradient
-                     : a.partial ? FewSums::kPartial : FewSums::kCluster;
-  A* sums = reinterpret_cast<A*>(dyn);  // [region][hidden]
-  void* dw = a.dscale;
-  void* db = a.dbias;
-  if (to == FewSums::kCluster) {
-    dw = sums;
-    db = sums + (a.has_scale ? a.hidden : 0);
-  } else if (to == FewSums::kPartial) {  // [region][row][hidden]
-    dw = static_cast<A*>(a.partial) + row * a.hidden;
-    db = static_cast<A*>(dw) + (a.has_scale ? a.rows * a.hidden : 0);
+  const A c_gx = s[0] * inv_n, c_g = kCentered ? s[K - 1] * inv_n : A(0);
+  if constexpr (kDots) {
+    if (lane == 0) static_cast<Packed<A, 2>*>(a.partial)[row] = Packed<A, 2>{{c_gx, c_g}};
+    return;
   }
   X* dxr = static_cast<X*>(a.dx) + row * a.hidden;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     const int c = lane + i * int(blockDim.x);
     if (c >= nvec) continue;
-    A xh[VEC], d[VEC], g[VEC], o[VEC];
-    xhat_g(i, xh, d, g);
+    A d[VEC], xh[VEC], o[VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+    for (int e = 0; e < VEC; ++e) {
+      d[e] = gv[i].get(e);
+      xh[e] = xhat(i * VEC + e);
+      o[e] = rstd * (g(i * VEC + e) - c_g - xh[e] * c_gx);
+    }
     store_vec(dxr + c * VEC, o);
-    if (a.has_bias) store_sums<W>(db, c, d, to);
+    if (a.has_bias) store_vec(static_cast<W*>(a.dbias) + c * VEC, d);
     if (a.has_scale) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) d[e] *= xh[e];
-      store_sums<W>(dw, c, d, to);
+      store_vec(static_cast<W*>(a.dscale) + c * VEC, d);
     }
   }
-  if (to == FewSums::kCluster) write_cluster_sums<W>(sums, int(a.has_scale) + int(a.has_bias), a);
 }
 
-// A launch of `blocks` blocks as one cluster (none when `cluster` is false).
-// Not copyable: the config points at the attribute.
-struct ClusterLaunch {
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr = {};
-  ClusterLaunch(int blocks, int threads, size_t smem, cudaStream_t stream, bool cluster) {
-    cfg.gridDim = dim3(unsigned(blocks));
-    cfg.blockDim = dim3(unsigned(threads));
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    attr.id = cudaLaunchAttributeClusterDimension;
-    attr.val.clusterDim.x = unsigned(blocks);
-    attr.val.clusterDim.y = attr.val.clusterDim.z = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = cluster ? 1 : 0;
-  }
-  ClusterLaunch(const ClusterLaunch&) = delete;
-  ClusterLaunch& operator=(const ClusterLaunch&) = delete;
-};
+// The column plan's second launch. Block b takes vectors [b * kColVecs,
+// (b + 1) * kColVecs) of every row: thread t vector t % kColVecs of rows
+// t / kColVecs, + kColRows, ..., so that the block sums dscale and dbias of
+// its columns over all rows itself (row slots of a warp by a butterfly, then
+// the warps in order: the same bits on every run) and writes them; with each
+// row's dots from a.partial it also writes dx. A warp covers 8 rows of 64
+// bytes.
+constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs;
 
-// Largest cluster `kernel` can run with: 16 blocks where the device allows
-// it, else the portable 8.
-template <typename K>
-int max_cluster(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
-  return per_launch_shape(dev, kernel, threads, smem, [&] {
-    ClusterLaunch l(kFewMaxCluster, threads, smem, nullptr, true);
-    int clusters = 0;
-    const bool large =
-        allow_dynamic_smem(kernel, smem, dev) == cudaSuccess &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-            cudaSuccess &&
-        cudaOccupancyMaxActiveClusters(&clusters, kernel, &l.cfg) == cudaSuccess &&
-        clusters >= 1;
-    cudaGetLastError();
-    return large ? kFewMaxCluster : kFewPortableCluster;
-  });
-}
-
-// How the few-rows backward runs: `blocks` blocks (one cluster) of `threads`.
-struct FewBwdPlan {
-  int threads = 0, blocks = 0;
-  FewSums sums = FewSums::kGradient;
-  size_t smem = 0;  // each block's dscale/dbias sums, with a cluster
-  size_t partial_bytes = 0;
-};
-
-// The few-rows backward plan, or blocks = 0 where it does not serve: a row
-// must fit one block, and there be at most 4 rows an SM. Up to 16 rows (8
-// where the device has no larger clusters, 1 before sm_90) finish dscale in
-// the launch; more write partial rows for sum_partials. Blocks that took
-// several rows in turn were slower (benchmarks/NOTES.md).
-template <typename X, typename G, typename W, int VEC>
-FewBwdPlan plan_bwd_few(int64_t rows, int64_t hidden, int regions, const DeviceInfo& dev,
-                        bool allow_cluster = true) {
-  static_assert(VEC > 1, "16-byte vectors only");
+template <typename X, typename G, typename W, int VEC, bool kCentered>
+__global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
   using A = acc_t<X>;
+  __shared__ Packed<A, VEC> sums[2][kColThreads / 32][kColVecs];  // [region][warp][vector]
+  const int j = threadIdx.x % kColVecs, slot = threadIdx.x / kColVecs;
+  const int64_t c = int64_t(blockIdx.x) * kColVecs + j, nvec = a.hidden / VEC;
+  const bool in = c < nvec;
+  const auto* dots = static_cast<const Packed<A, 2>*>(a.partial);
+  A w[VEC], dw[VEC] = {}, db[VEC] = {};
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) w[e] = A(1);
+  if (a.has_scale && in) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+#pragma unroll 4
+  for (int64_t row = slot; in && row < a.rows; row += kColRows) {
+    const int64_t at = row * a.hidden + c * VEC;
+    RegVec<X, VEC> xv;
+    RegVec<G, VEC> gv;
+    xv.load(static_cast<const X*>(a.x) + at);
+    gv.load(static_cast<const G*>(a.dy) + at);
+    const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
+    const A rstd = static_cast<const A*>(a.rstd)[row];
+    const Packed<A, 2> dot = dots[row];  // mean(g * xhat), mean(g)
+    A o[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const A d = gv.get(e), xh = (xv.get(e) - mean) * rstd;
+      o[e] = rstd * (d * w[e] - dot.v[1] - xh * dot.v[0]);
+      dw[e] += d * xh;
+      if constexpr (kCentered) db[e] += d;
+    }
+    store_vec(static_cast<X*>(a.dx) + at, o);
+  }
+#pragma unroll
+  for (int off = kColVecs; off < 32; off *= 2) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      dw[e] += __shfl_xor_sync(0xffffffffu, dw[e], off);
+      if constexpr (kCentered) db[e] += __shfl_xor_sync(0xffffffffu, db[e], off);
+    }
+  }
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 < kColVecs) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) sums[0][warp][j].v[e] = dw[e], sums[1][warp][j].v[e] = db[e];
+  }
+  __syncthreads();
+  const int region = threadIdx.x / kColVecs;  // of the gradients: dscale, then dbias
+  if (!in || region >= int(a.has_scale) + int(a.has_bias)) return;
+  const int r = a.has_scale ? region : 1;
+  A total[VEC] = {};
+  for (int wp = 0; wp < kColThreads / 32; ++wp) {
+    const Packed<A, VEC> p = sums[r][wp][j];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) total[e] += p.v[e];
+  }
+  store_vec(static_cast<W*>(r == 0 ? a.dscale : a.dbias) + c * VEC, total);
+}
+
+// How the few-rows backward runs; blocks = 0 where it does not serve.
+struct FewBwdPlan {
+  int threads = 0;           // of the one-block-a-row launch
+  int blocks = 0;            // rows
+  bool columns = false;      // the column plan (more than one row)
+  size_t partial_bytes = 0;  // scratch for its row dots
+};
+
+// A row must fit one block of at least a warp, and there be at most 4 rows an
+// SM. One row: one block. More: the column plan, which measured faster than a
+// cluster summing in distributed shared memory (up to 16 rows) and than
+// partial rows summed by sum_partials, at every row count from 2 to 512
+// (benchmarks/NOTES.md, v7).
+template <typename X, int VEC>
+FewBwdPlan plan_bwd_few(int64_t rows, int64_t hidden, const DeviceInfo& dev) {
+  static_assert(VEC > 1, "16-byte vectors only");
   FewBwdPlan p;
   const int tpr = threads_per_row(hidden / VEC, kFewNv);
-  const size_t smem = size_t(regions) * hidden * sizeof(A);
-  if (tpr > kFewBwdThreads || rows > 4 * int64_t(dev.sms)) return p;
+  if (tpr < 32 || tpr > kFewBwdThreads || rows > 4 * int64_t(dev.sms)) return p;
   p.threads = tpr;
   p.blocks = int(rows);
-  if (rows == 1) return p;
-  const bool cluster = allow_cluster && dev.cc_major >= 9 && smem <= dev.max_dynamic_smem &&
-                       rows <= max_cluster(bwd_few<X, G, W, VEC>, tpr, smem, dev);
-  p.sums = cluster ? FewSums::kCluster : FewSums::kPartial;
-  p.smem = cluster ? smem : 0;
-  p.partial_bytes = cluster ? 0 : size_t(regions) * rows * hidden * sizeof(A);
+  p.columns = rows > 1;
+  if (p.columns) p.partial_bytes = size_t(rows) * sizeof(Packed<acc_t<X>, 2>);
   return p;
 }
 
 // Runs the plan, with a.partial pointing at partial_bytes of scratch.
 template <typename X, typename G, typename W, int VEC>
-cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const DeviceInfo& dev,
-                           BwdArgs a) {
-  using A = acc_t<X>;
-  auto kernel = bwd_few<X, G, W, VEC>;
-  cudaError_t err = allow_dynamic_smem(kernel, p.smem, dev);
-  if (err != cudaSuccess) return err;
-  if (p.sums != FewSums::kPartial) a.partial = nullptr;
-  ClusterLaunch l(p.blocks, p.threads, p.smem, stream, p.sums == FewSums::kCluster);
-  err = cudaLaunchKernelEx(&l.cfg, kernel, a);
-  if (err != cudaSuccess || p.sums != FewSums::kPartial) return err;
-  return launch_sum_partials<W, A>(stream, a, a.rows);
+cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdArgs& a) {
+  return with_centered(a.centered, [&](auto centered) {
+    constexpr bool kC = decltype(centered)::value;
+    if (!p.columns) {
+      bwd_few<X, G, W, VEC, kC, false><<<1, p.threads, 0, stream>>>(a);
+      return cudaGetLastError();
+    }
+    bwd_few<X, G, W, VEC, kC, true><<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+    const unsigned grid = unsigned((a.hidden / VEC + kColVecs - 1) / kColVecs);
+    bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace jaxnorm::cuda

@@ -55,8 +55,9 @@ struct BwdArgs {
   const void* rstd;
   const void* dy;
   void* dx;
-  void* partial;  // [regions][gridDim.x][hidden] fp32 (fp64), or
-  void* dscale;   // with one block, the gradients themselves
+  void* partial;  // [regions][gridDim.x][hidden] fp32 (fp64) partial rows
+                  // (none with one block); few rows: [rows][2] row dots
+  void* dscale;
   void* dbias;
   int64_t rows, hidden;
   int tpr, rows_per_block;
@@ -152,6 +153,13 @@ auto with_variant(const RowPlan& p, F&& f) {
     }
     return f(Variant<4>{});
   }
+}
+
+// Calls f(std::bool_constant<centered>{}): LayerNorm or RMSNorm, for kernels
+// that take it as a template parameter.
+template <typename F>
+auto with_centered(bool centered, F&& f) {
+  return centered ? f(std::true_type{}) : f(std::false_type{});
 }
 
 // Writes VEC outputs (x - mean) * rstd [* w] [+ b] of one vector to dst.
