@@ -37,6 +37,12 @@ __device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[NV], const T* row,
   }
 }
 
+// Element k of the NV * VEC a thread holds, in the accumulation type.
+template <int VEC, int NV, typename T>
+__device__ __forceinline__ acc_t<T> element(const RegVec<T, VEC> (&v)[NV], int k) {
+  return v[k / VEC].get(k % VEC);
+}
+
 // term(I) + ... + term(I + N - 1) as a balanced tree: dependency chains of
 // log2(N) adds rather than N, each term computed where the tree needs it.
 template <int N, int I = 0, typename F>
@@ -66,8 +72,8 @@ struct WarpSlots {
 // warp's sums go to `slots`; then lane w of every warp reads warp w's, and a
 // butterfly adds them up: a fixed order, the same bits in every thread. One
 // barrier; `slots` must not be written again by this block. A loop over the
-// warps instead (its trip count known at run time only) made the decode
-// kernels 1.3x longer in instructions (benchmarks/NOTES.md, v7).
+// warps instead (its trip count known at run time only) compiled to 8% more
+// instructions in RMSNorm's decode forward (benchmarks/NOTES.md, v7).
 template <int K, typename A>
 __device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
 #pragma unroll
@@ -86,14 +92,15 @@ __device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
 
 // A row's mean (0 unless kCentered) and 1 / sqrt(variance + epsilon) in the
 // decode kernels, from the NV vectors each thread holds (zeros past the row's
-// end): exact two passes over the registers, one block_sum each. A one-barrier Chan merge of
-// per-warp (count, mean, M2) measured no faster (benchmarks/NOTES.md, v7).
+// end): exact two passes over the registers, one block_sum each. A
+// one-barrier Chan merge of per-warp (count, mean, M2) measured no faster
+// (benchmarks/NOTES.md, v7).
 template <bool kCentered, typename A, int VEC, int NV, typename X>
 __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV], int nvec,
                                                 A inv_n, A epsilon,
                                                 WarpSlots<1, A> (&slots)[2], A& mean,
                                                 A& rstd) {
-  auto x = [&](int k) { return xv[k / VEC].get(k % VEC); };  // the thread's element k
+  auto x = [&](int k) { return element(xv, k); };
   mean = 0;
   if constexpr (kCentered) {
     A s[1] = {tree_sum<NV * VEC>(x)};
@@ -248,12 +255,12 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   const A rstd = static_cast<const A*>(a.rstd)[row];
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
   auto g = [&](int k) {
-    const A d = gv[k / VEC].get(k % VEC);
-    return a.has_scale ? d * wv[k / VEC].get(k % VEC) : d;
+    const A d = element(gv, k);
+    return a.has_scale ? d * element(wv, k) : d;
   };
-  auto xhat = [&](int k) { return (xv[k / VEC].get(k % VEC) - mean) * rstd; };
+  auto xhat = [&](int k) { return (element(xv, k) - mean) * rstd; };
   A s[K];  // rstd taken out of the sum: one multiply less an element
-  s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (xv[k / VEC].get(k % VEC) - mean); });
+  s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (element(xv, k) - mean); });
   if constexpr (kCentered) s[K - 1] = tree_sum<NV * VEC>(g);
   block_sum(s, slots);
   const A inv_n = A(1) / A(a.hidden);
