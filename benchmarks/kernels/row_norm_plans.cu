@@ -287,17 +287,22 @@ int main(int argc, char** argv) {
     }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
     // row fits its block, with scale and bias loaded with x (e) or at their
-    // use; * where the handler takes it.
-    auto few_fwd = [&](auto nv, auto write_y, auto early) {
-      constexpr int NV = decltype(nv)::value;
+    // use, and for few rows also with two blocks a row (/2); * where the
+    // handler takes it. y-diff: against the first kernel's y (0 where the
+    // statistics keep their bits).
+    std::vector<float> y_ref;  // y of the first one-block-a-row kernel timed
+    auto few_fwd = [&](auto nv, auto write_y, auto early, auto split) {
+      constexpr int NV = decltype(nv)::value, S = decltype(split)::value;
       constexpr bool kWriteY = decltype(write_y)::value, kEarly = decltype(early)::value;
       const int threads = threads_per_row(nvec, NV);
       if (threads < 32 || threads > fwd_block_threads(NV, kWriteY)) return;
       with_centered(c.centered, [&](auto centered) {
         constexpr bool kC = decltype(centered)::value;
-        auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly>;
+        auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S>;
         bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
-        if (planned && kWriteY && NV == 4) {  // launch_fwd_block's rule
+        if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
+          planned = kEarly && S == (split_rows(c.rows, sms) ? 2 : 1);
+        } else if (planned && kWriteY && NV == 4) {
           auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
           auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
           planned = kEarly == (4 * blocks_per_sm(early, threads, 0, info) >=
@@ -305,25 +310,44 @@ int main(int argc, char** argv) {
         }
         FwdArgs a = fa;
         a.write_y = kWriteY;
-        const float us = time_us(s, [&] { kernel<<<unsigned(c.rows), threads, 0, s>>>(a); });
+        const unsigned grid = unsigned(c.rows * S);
+        const float us = time_us(s, [&] { kernel<<<grid, threads, 0, s>>>(a); });
         const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
-        std::printf("%-3s %-9s %12s %2df%s%s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                    kWriteY ? "fwd" : "stats", shape, NV, kEarly && kWriteY ? "e" : "",
-                    planned ? "*" : "", threads, 1, long(c.rows), "-", us, bytes / us / 1e3,
-                    100 * bytes / us / 1e3 / copy);
-        if (kWriteY) kernel<<<unsigned(c.rows), threads, 0, s>>>(fa);  // checked with dx
+        char name[16];
+        std::snprintf(name, sizeof name, "%df%s%s%s", NV, kEarly && kWriteY ? "e" : "",
+                      S > 1 ? "/2" : "", planned ? "*" : "");
+        std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%", op,
+                    kWriteY ? "fwd" : "stats", shape, name, threads, 1, long(grid), "-", us,
+                    bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+        if (kWriteY) {
+          kernel<<<grid, threads, 0, s>>>(fa);  // checked with dx
+          if (verify) {  // largest |y - y_ref| / (1 + |y_ref|)
+            std::vector<float> got = to_host(y, n, true);
+            if (y_ref.empty()) y_ref = got;
+            double diff = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              diff = std::max(diff, std::abs(double(got[i]) - y_ref[i]) / (1 + std::abs(y_ref[i])));
+            }
+            std::printf("  y-diff %.1e", diff);
+          }
+        }
+        std::printf("\n");
       });
     };
     using yes = std::true_type;
     using no = std::false_type;
-    few_fwd(std::integral_constant<int, 1>{}, no{}, no{});
-    few_fwd(std::integral_constant<int, 2>{}, no{}, no{});
-    few_fwd(std::integral_constant<int, 4>{}, no{}, no{});
-    few_fwd(std::integral_constant<int, 8>{}, no{}, no{});
-    few_fwd(std::integral_constant<int, 1>{}, yes{}, yes{});
-    few_fwd(std::integral_constant<int, 4>{}, yes{}, no{});
-    few_fwd(std::integral_constant<int, 4>{}, yes{}, yes{});
-    few_fwd(std::integral_constant<int, 2>{}, yes{}, yes{});
+    using one = std::integral_constant<int, 1>;
+    using two = std::integral_constant<int, 2>;
+    using four = std::integral_constant<int, 4>;
+    few_fwd(one{}, no{}, no{}, one{});
+    few_fwd(two{}, no{}, no{}, one{});
+    few_fwd(four{}, no{}, no{}, one{});
+    few_fwd(std::integral_constant<int, 8>{}, no{}, no{}, one{});
+    few_fwd(two{}, yes{}, yes{}, one{});  // the reference for y-diff
+    few_fwd(one{}, yes{}, yes{}, one{});
+    few_fwd(four{}, yes{}, no{}, one{});
+    few_fwd(four{}, yes{}, yes{}, one{});
+    if (c.rows <= 4 * sms) few_fwd(two{}, yes{}, yes{}, two{});  // two blocks a row
     // The few-rows backward as planned (f*: one block for one row, fk* the
     // column plan), and the column plan's two launches alone (fk-dots,
     // fk-cols: timed, not checked).

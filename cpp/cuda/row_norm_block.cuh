@@ -26,13 +26,14 @@ constexpr int kFewNv = 2;            // 16-byte vectors a thread, few rows
 constexpr int kBlockThreads = 1024;  // forward block, at most
 constexpr int kFewBwdThreads = 512;  // backward block, at most
 
-// Loads a thread's NV vectors of a row (zeros past its end).
+// Loads a thread's NV vectors of a row (zeros past its end): register i holds
+// vector lane + (i ^ flip) * blockDim.x.
 template <int VEC, int NV, typename T>
 __device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[NV], const T* row,
-                                         int lane, int nvec) {
+                                         int lane, int nvec, int flip = 0) {
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    const int c = lane + i * int(blockDim.x);
+    const int c = lane + (i ^ flip) * int(blockDim.x);
     v[i] = load_or_zero<VEC>(row, c, c < nvec);
   }
 }
@@ -91,13 +92,15 @@ __device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
 }
 
 // A row's mean (0 unless kCentered) and 1 / sqrt(variance + epsilon) in the
-// decode kernels, from the NV vectors each thread holds (zeros past the row's
-// end): exact two passes over the registers, one block_sum each. A
-// one-barrier Chan merge of per-warp (count, mean, M2) measured no faster
-// (benchmarks/NOTES.md, v7).
+// decode kernels, from the NV vectors each thread holds as load_row(..., flip)
+// left them (zeros past the row's end): exact two passes over the registers,
+// one block_sum each. A flip permutes the registers in pairs of tree_sum's
+// halves, so the sums, and the statistics, keep their bits. Merging
+// (mean, M2) pairs instead, per warp (v7) or per lane (v8), measured no
+// faster (benchmarks/NOTES.md).
 template <bool kCentered, typename A, int VEC, int NV, typename X>
 __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV], int nvec,
-                                                A inv_n, A epsilon,
+                                                int flip, A inv_n, A epsilon,
                                                 WarpSlots<1, A> (&slots)[2], A& mean,
                                                 A& rstd) {
   auto x = [&](int k) { return element(xv, k); };
@@ -110,7 +113,7 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV], 
   const int lane = threadIdx.x, step = blockDim.x;
   A ss[1] = {tree_sum<NV * VEC>([&](int k) {
     const A d = x(k) - mean;  // x is 0 past the row's end: d * d is 0 there for RMSNorm only
-    return kCentered && lane + k / VEC * step >= nvec ? A(0) : d * d;
+    return kCentered && lane + (k / VEC ^ flip) * step >= nvec ? A(0) : d * d;
   })};
   block_sum(ss, slots[1]);
   rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
@@ -124,33 +127,40 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
   return write_y && nv > kFewNv ? 512 : kBlockThreads;
 }
 
-// One block a row, grid = rows. kCentered: LayerNorm (else RMSNorm).
-// kWriteY = false writes the statistics only (the forward of a gradient,
-// whose output is unused). kEarlyParams loads scale and bias with x, before
-// the reduction, rather than at their use: one memory round trip fewer, for
-// more registers.
+// One block a row, grid = rows * kSplit. kCentered: LayerNorm (else
+// RMSNorm). kWriteY = false writes the statistics only (the forward of a
+// gradient, whose output is unused). kEarlyParams loads scale and bias with x,
+// before the reduction, rather than at their use: one memory round trip
+// fewer, for more registers. kSplit > 1 (decode only): kSplit blocks share a
+// row; each reduces all of it (with the same bits: block_row_stats) and
+// normalizes and writes NV / kSplit of its vectors, the registers its flip
+// brings first.
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
-          bool kEarlyParams>
+          bool kEarlyParams, int kSplit = 1>
 __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
   using A = acc_t<X>;
-  constexpr int kHeld = kWriteY && kEarlyParams ? NV : 1;  // parameter vectors held
+  static_assert(kSplit == 1 || (NV == kFewNv && NV % kSplit == 0 && kWriteY));
+  constexpr int kOwn = NV / kSplit;  // vectors this block writes
+  constexpr bool kHold = kWriteY && kEarlyParams;
+  constexpr int kHeld = kHold ? kOwn : 1;  // parameter vectors held
   __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
   const int hidden = int(a.hidden), nvec = hidden / VEC, lane = threadIdx.x;
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x / kSplit;
+  const int part = blockIdx.x % kSplit, flip = part * kOwn;
   const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && kCentered && a.has_bias;
   const W* scale = static_cast<const W*>(a.scale);
   const W* bias = static_cast<const W*>(a.bias);
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
-  load_row(xv, static_cast<const X*>(a.x) + row * hidden, lane, nvec);
-  if constexpr (kHeld == NV) {
-    if (use_w) load_row(wv, scale, lane, nvec);
-    if (use_b) load_row(bv, bias, lane, nvec);
+  load_row(xv, static_cast<const X*>(a.x) + row * hidden, lane, nvec, flip);
+  if constexpr (kHold) {
+    if (use_w) load_row(wv, scale, lane, nvec, flip);
+    if (use_b) load_row(bv, bias, lane, nvec, flip);
   }
   A mean, rstd;
   const A inv_n = A(1) / A(hidden);
   if constexpr (NV == kFewNv) {
-    block_row_stats<kCentered>(xv, nvec, inv_n, A(a.epsilon), slots, mean, rstd);
+    block_row_stats<kCentered>(xv, nvec, flip, inv_n, A(a.epsilon), slots, mean, rstd);
   } else {
     // Many rows: the generic kernels' statistics, centered or not at run
     // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
@@ -159,22 +169,22 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     row_stats(xv, lane, int(blockDim.x), nvec, a, inv_n, mean, rstd,
               [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
   }
-  if (lane == 0) {
+  if (lane == 0 && part == 0) {
     if (kCentered) static_cast<A*>(a.mean)[row] = mean;
     static_cast<A*>(a.rstd)[row] = rstd;
   }
   if constexpr (kWriteY) {
-    if constexpr (kHeld == NV) {
+    if constexpr (kHold) {
       for (auto& v : wv) v.forget_converted();
       for (auto& v : bv) v.forget_converted();
     }
     Y* yr = static_cast<Y*>(a.y) + row * hidden;
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const int c = lane + i * int(blockDim.x);
+    for (int i = 0; i < kOwn; ++i) {
+      const int c = lane + (i ^ flip) * int(blockDim.x);
       if (c >= nvec) continue;
       A w[VEC], b[VEC];
-      if constexpr (kHeld == NV) {
+      if constexpr (kHold) {
         unpack(w, wv[i]);
         unpack(b, bv[i]);
       } else {
@@ -201,6 +211,12 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
   return tpr >= (write_y ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
 }
 
+// Whether the decode forward gives each row two blocks: where that still
+// leaves half the SMs without one. On an H200 (bf16, 4096 wide) two blocks a
+// row took 3-8% less time at 1 to 32 rows and up to 4% more at 64
+// (benchmarks/NOTES.md, v8).
+inline bool split_rows(int64_t rows, int sms) { return 4 * rows <= sms; }
+
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
 // hide a second memory round trip; for many rows, unless that costs the SM
@@ -213,8 +229,8 @@ template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
   const int threads = threads_per_row(a.hidden / VEC, nv);
-  auto launch = [&](void (*kernel)(FwdArgs)) {
-    kernel<<<unsigned(a.rows), threads, 0, stream>>>(a);
+  auto launch = [&](void (*kernel)(FwdArgs), int split = 1) {
+    kernel<<<unsigned(a.rows * split), threads, 0, stream>>>(a);
     return cudaGetLastError();
   };
   return with_centered(a.centered, [&](auto centered) {
@@ -223,7 +239,12 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
       return launch(nv == kFewNv ? fwd_block<X, X, X, VEC, kFewNv, kC, false, false>
                                  : fwd_block<X, X, X, VEC, 8, kC, false, false>);
     }
-    if (nv == kFewNv) return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true>);
+    if (nv == kFewNv) {
+      if (split_rows(a.rows, dev.sms)) {
+        return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 2>, 2);
+      }
+      return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true>);
+    }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
     const bool cheap =
@@ -300,6 +321,32 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
 // bytes.
 constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs;
 
+// Sums v over the lanes that share lane % kColVecs, in place. Each step
+// halves the elements a lane keeps (the half its partner does not) until one
+// is left; any further steps add that one (both lanes then hold the same
+// sum). Lane l's v[0] ends as element (l / kColVecs) / (lanes holding it) of
+// the sum. Both lanes of a pair add the same two values: the same bits on
+// every run.
+template <int VEC, typename A>
+__device__ __forceinline__ void slot_sum_scatter(A (&v)[VEC], int lane) {
+  int n = VEC;
+#pragma unroll
+  for (int off = 16; off >= kColVecs; off /= 2) {
+    const bool upper = lane & off;
+    if (n > 1) {
+      n /= 2;
+#pragma unroll
+      for (int e = 0; e < VEC / 2; ++e) {
+        if (e >= n) break;
+        const A give = upper ? v[e] : v[e + n], keep = upper ? v[e + n] : v[e];
+        v[e] = keep + __shfl_xor_sync(0xffffffffu, give, off);
+      }
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], off);
+    }
+  }
+}
+
 template <typename X, typename G, typename W, int VEC, bool kCentered>
 __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
   using A = acc_t<X>;
@@ -332,18 +379,18 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
     }
     store_vec(static_cast<X*>(a.dx) + at, o);
   }
-#pragma unroll
-  for (int off = kColVecs; off < 32; off *= 2) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      dw[e] += __shfl_xor_sync(0xffffffffu, dw[e], off);
-      if constexpr (kCentered) db[e] += __shfl_xor_sync(0xffffffffu, db[e], off);
-    }
-  }
-  const int warp = threadIdx.x / 32;
-  if (threadIdx.x % 32 < kColVecs) {
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) sums[0][warp][j].v[e] = dw[e], sums[1][warp][j].v[e] = db[e];
+  // Over the warp's row slots (lane bits 2-4), each lane keeping the half of
+  // its sums that its partner gives away (a reduce-scatter): lane l ends with
+  // element l / 4 of its vector (VEC = 8), after 7 shuffles a gradient
+  // instead of 24.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  slot_sum_scatter(dw, lane);
+  if constexpr (kCentered) slot_sum_scatter(db, lane);
+  constexpr int kSame = 32 / kColVecs / VEC;  // lanes left holding the same element
+  if ((lane / kColVecs) % kSame == 0) {
+    const int e = lane / kColVecs / kSame;
+    sums[0][warp][j].v[e] = dw[0];
+    sums[1][warp][j].v[e] = db[0];
   }
   __syncthreads();
   const int region = threadIdx.x / kColVecs;  // of the gradients: dscale, then dbias
