@@ -7,8 +7,9 @@
 // latency: a launch takes about as long as its warps' instruction streams
 // (Nsight Compute: 7 cycles an instruction), so these kernels are specialized
 // for RMSNorm or LayerNorm at compile time and keep their reductions short.
-// For many rows they move more bytes a second than the generic kernels' ring
-// and staged parameters (benchmarks/NOTES.md, v6 and v7).
+// With so few rows that half the SMs would idle, two blocks share each row
+// (v8). For many rows they move more bytes a second than the generic
+// kernels' ring and staged parameters (benchmarks/NOTES.md, v6 and v7).
 //
 // The backward takes them for few rows only. One row: one block writes dx,
 // dscale and dbias. More rows: the column plan, two launches. The first, one
@@ -315,8 +316,8 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
 // The column plan's second launch. Block b takes vectors [b * kColVecs,
 // (b + 1) * kColVecs) of every row: thread t vector t % kColVecs of rows
 // t / kColVecs, + kColRows, ..., so that the block sums dscale and dbias of
-// its columns over all rows itself (row slots of a warp by a butterfly, then
-// the warps in order: the same bits on every run) and writes them; with each
+// its columns over all rows itself (row slots of a warp by slot_sum_scatter,
+// then the warps in order: the same bits on every run) and writes them; with each
 // row's dots from a.partial it also writes dx. A warp covers 8 rows of 64
 // bytes.
 constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs;
