@@ -82,11 +82,12 @@ def test_large_mean_is_stable(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_without_params(op):
-    x = rand(0, (6, 96), jnp.float32)
+@pytest.mark.parametrize("hidden", [96, 1024])  # on a GPU, 1024 float32: a fixed-width kernel
+def test_without_params(op, hidden):
+    x = rand(0, (6, hidden), jnp.float32)
     check_values(op, x, None, None)
     if OPS[op][1]:
-        _, bias = params(op, 0, (96,), jnp.float32)
+        _, bias = params(op, 0, (hidden,), jnp.float32)
         check_values(op, x, None, bias)
 
 
@@ -170,8 +171,11 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 
 
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
-# row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528):
-# one row (one block writes the gradients itself); more rows, the column plan
+# row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528): a
+# forward compiled for the row length where it is 256, 512 or 1024 16-byte
+# vectors (4096 and 8192 bf16, 1024 float32, 512 float64), with two blocks a
+# row or one (64 rows: two for LayerNorm only; 100 rows: one); one row (one
+# block writes the gradients itself); more rows, the column plan
 # (row dots, then blocks of 4 column vectors over all rows): a row not a whole
 # number of a thread's vectors nor of a column block's (7x2052 float32: 513
 # vectors), float16 and float64 rows, 300 rows (each thread of a column block
@@ -191,6 +195,9 @@ PLAN_CASES = [
     ((7, 2052), jnp.float32, jnp.bfloat16),
     ((24, 2048), jnp.float16, jnp.float16),
     ((6, 512), jnp.float64, jnp.float64),
+    ((64, 8192), jnp.bfloat16, jnp.bfloat16),
+    ((100, 4096), jnp.bfloat16, jnp.float32),
+    ((64, 1024), jnp.float32, jnp.float32),
     ((300, 1024), jnp.bfloat16, jnp.bfloat16),
     ((1100, 1024), jnp.bfloat16, jnp.bfloat16),
     ((1100, 4096), jnp.bfloat16, jnp.bfloat16),

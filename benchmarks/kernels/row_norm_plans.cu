@@ -287,51 +287,62 @@ int main(int argc, char** argv) {
     }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
     // row fits its block, with scale and bias loaded with x (e) or at their
-    // use, and for few rows also with two blocks a row (/2); * where the
+    // use, and for few rows also with two blocks a row (/2) and with the row
+    // length fixed at compile time (x, where a kernel has it); * where the
     // handler takes it. y-diff: against the first kernel's y (0 where the
     // statistics keep their bits).
     std::vector<float> y_ref;  // y of the first one-block-a-row kernel timed
-    auto few_fwd = [&](auto nv, auto write_y, auto early, auto split) {
+    const bool has_fixed = with_row_vecs(nvec, [](auto v) {
+      return decltype(v)::value > 0 ? cudaSuccess : cudaErrorInvalidValue;
+    }) == cudaSuccess;
+    auto few_fwd = [&](auto nv, auto write_y, auto early, auto split, bool fixed) {
       constexpr int NV = decltype(nv)::value, S = decltype(split)::value;
       constexpr bool kWriteY = decltype(write_y)::value, kEarly = decltype(early)::value;
       const int threads = threads_per_row(nvec, NV);
       if (threads < 32 || threads > fwd_block_threads(NV, kWriteY)) return;
+      if (fixed && (NV != kFewNv || !has_fixed)) return;
       with_centered(c.centered, [&](auto centered) {
         constexpr bool kC = decltype(centered)::value;
-        auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S>;
-        bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
-        if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
-          planned = kEarly && S == (split_rows(c.rows, sms) ? 2 : 1);
-        } else if (planned && kWriteY && NV == 4) {
-          auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
-          auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
-          planned = kEarly == (4 * blocks_per_sm(early, threads, 0, info) >=
-                               3 * blocks_per_sm(late, threads, 0, info));
-        }
-        FwdArgs a = fa;
-        a.write_y = kWriteY;
-        const unsigned grid = unsigned(c.rows * S);
-        const float us = time_us(s, [&] { kernel<<<grid, threads, 0, s>>>(a); });
-        const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
-        char name[16];
-        std::snprintf(name, sizeof name, "%df%s%s%s", NV, kEarly && kWriteY ? "e" : "",
-                      S > 1 ? "/2" : "", planned ? "*" : "");
-        std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%", op,
-                    kWriteY ? "fwd" : "stats", shape, name, threads, 1, long(grid), "-", us,
-                    bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
-        if (kWriteY) {
-          kernel<<<grid, threads, 0, s>>>(fa);  // checked with dx
-          if (verify) {  // largest |y - y_ref| / (1 + |y_ref|)
-            std::vector<float> got = to_host(y, n, true);
-            if (y_ref.empty()) y_ref = got;
-            double diff = 0;
-            for (int64_t i = 0; i < n; ++i) {
-              diff = std::max(diff, std::abs(double(got[i]) - y_ref[i]) / (1 + std::abs(y_ref[i])));
-            }
-            std::printf("  y-diff %.1e", diff);
+        with_row_vecs(fixed ? nvec : 0, [&](auto vecs) {
+          constexpr int V = NV == kFewNv ? decltype(vecs)::value : 0;
+          auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S, V>;
+          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
+          if (planned && NV == kFewNv) planned = fixed == has_fixed;
+          if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
+            planned = kEarly && S == (split_rows(c.rows, sms, kC) ? 2 : 1);
+          } else if (planned && kWriteY && NV == 4) {
+            auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
+            auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
+            planned = kEarly == (4 * blocks_per_sm(early, threads, 0, info) >=
+                                 3 * blocks_per_sm(late, threads, 0, info));
           }
-        }
-        std::printf("\n");
+          FwdArgs a = fa;
+          a.write_y = kWriteY;
+          const unsigned grid = unsigned(c.rows * S);
+          const float us = time_us(s, [&] { kernel<<<grid, threads, 0, s>>>(a); });
+          const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
+          char name[16];
+          std::snprintf(name, sizeof name, "%df%s%s%s%s", NV, kEarly && kWriteY ? "e" : "",
+                        V > 0 ? "x" : "", S > 1 ? "/2" : "", planned ? "*" : "");
+          std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%", op,
+                      kWriteY ? "fwd" : "stats", shape, name, threads, 1, long(grid), "-", us,
+                      bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+          if (kWriteY) {
+            kernel<<<grid, threads, 0, s>>>(fa);  // checked with dx
+            if (verify) {  // largest |y - y_ref| / (1 + |y_ref|)
+              std::vector<float> got = to_host(y, n, true);
+              if (y_ref.empty()) y_ref = got;
+              double diff = 0;
+              for (int64_t i = 0; i < n; ++i) {
+                const double d = std::abs(double(got[i]) - y_ref[i]);
+                diff = std::max(diff, d / (1 + std::abs(y_ref[i])));
+              }
+              std::printf("  y-diff %.1e", diff);
+            }
+          }
+          std::printf("\n");
+          return cudaSuccess;
+        });
       });
     };
     using yes = std::true_type;
@@ -339,15 +350,20 @@ int main(int argc, char** argv) {
     using one = std::integral_constant<int, 1>;
     using two = std::integral_constant<int, 2>;
     using four = std::integral_constant<int, 4>;
-    few_fwd(one{}, no{}, no{}, one{});
-    few_fwd(two{}, no{}, no{}, one{});
-    few_fwd(four{}, no{}, no{}, one{});
-    few_fwd(std::integral_constant<int, 8>{}, no{}, no{}, one{});
-    few_fwd(two{}, yes{}, yes{}, one{});  // the reference for y-diff
-    few_fwd(one{}, yes{}, yes{}, one{});
-    few_fwd(four{}, yes{}, no{}, one{});
-    few_fwd(four{}, yes{}, yes{}, one{});
-    if (c.rows <= 4 * sms) few_fwd(two{}, yes{}, yes{}, two{});  // two blocks a row
+    few_fwd(one{}, no{}, no{}, one{}, false);
+    few_fwd(two{}, no{}, no{}, one{}, false);
+    few_fwd(two{}, no{}, no{}, one{}, true);
+    few_fwd(four{}, no{}, no{}, one{}, false);
+    few_fwd(std::integral_constant<int, 8>{}, no{}, no{}, one{}, false);
+    few_fwd(two{}, yes{}, yes{}, one{}, false);  // the reference for y-diff
+    few_fwd(one{}, yes{}, yes{}, one{}, false);
+    few_fwd(four{}, yes{}, no{}, one{}, false);
+    few_fwd(four{}, yes{}, yes{}, one{}, false);
+    if (c.rows <= 4 * sms) {  // two blocks a row; the row length fixed
+      few_fwd(two{}, yes{}, yes{}, two{}, false);
+      few_fwd(two{}, yes{}, yes{}, one{}, true);
+      few_fwd(two{}, yes{}, yes{}, two{}, true);
+    }
     // The few-rows backward as planned (f*: one block for one row, fk* the
     // column plan), and the column plan's two launches alone (fk-dots,
     // fk-cols: timed, not checked).
@@ -359,8 +375,12 @@ int main(int argc, char** argv) {
       with_centered(c.centered, [&](auto centered) {
         constexpr bool kC = decltype(centered)::value;
         const unsigned col_grid = unsigned((nvec + kColVecs - 1) / kColVecs);
-        const float us_dots = time_us(s, [&] {
-          bwd_few<bf16, bf16, bf16, VEC, kC, true><<<few.blocks, few.threads, 0, s>>>(ba);
+        const float us_dots = time_us(s, [&] {  // as planned: the row length fixed if it can be
+          CHECK(with_row_vecs(nvec, [&](auto vecs) {
+            auto dots = bwd_few<bf16, bf16, bf16, VEC, kC, true, decltype(vecs)::value>;
+            dots<<<few.blocks, few.threads, 0, s>>>(ba);
+            return cudaGetLastError();
+          }));
         });
         const float us_cols = time_us(s, [&] {
           bwd_cols<bf16, bf16, bf16, VEC, kC><<<col_grid, kColThreads, 0, s>>>(ba);

@@ -1,12 +1,13 @@
 // Row-norm kernels that give each row a block of its own and hold it in
 // registers, issuing every load they need (x, dy, the row's statistics, scale
-// and bias) before the first reduction, indexing within a row in 32 bits.
+// and bias) before the first barrier, indexing within a row in 32 bits.
 //
 // The forward takes them for any number of rows that fit a block. For few
 // rows (decode: 1 to a few hundred) each SM has one block and nothing hides
 // latency: a launch takes about as long as its warps' instruction streams
 // (Nsight Compute: 7 cycles an instruction), so these kernels are specialized
-// for RMSNorm or LayerNorm at compile time and keep their reductions short.
+// for RMSNorm or LayerNorm at compile time, and for the common row lengths
+// (with_row_vecs, v9), and keep their reductions short.
 // With so few rows that half the SMs would idle, two blocks share each row
 // (v8). For many rows they move more bytes a second than the generic
 // kernels' ring and staged parameters (benchmarks/NOTES.md, v6 and v7).
@@ -27,16 +28,35 @@ constexpr int kFewNv = 2;            // 16-byte vectors a thread, few rows
 constexpr int kBlockThreads = 1024;  // forward block, at most
 constexpr int kFewBwdThreads = 512;  // backward block, at most
 
-// Loads a thread's NV vectors of a row (zeros past its end): register i holds
-// vector lane + (i ^ flip) * blockDim.x.
-template <int VEC, int NV, typename T>
-__device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[NV], const T* row,
-                                         int lane, int nvec, int flip = 0) {
+// Where a thread's NV vectors lie in its row: register i holds vector
+// lane + (i ^ flip) * step. kVecs = 0: the row's length is known at run time,
+// the block has blockDim.x threads, and vectors past the row's end are zeros.
+// kVecs > 0: the row has exactly kVecs vectors, NV for each of kVecs / NV
+// threads, all known to the compiler, which then drops the bounds checks and
+// addresses the row with immediate offsets.
+template <int kVecs, int NV>
+struct RowSpan {
+  static_assert(kVecs % NV == 0 && (kVecs == 0 || kVecs / NV % 32 == 0));
+  static constexpr int kWarps = kVecs / NV / 32;  // of the block (0: known at run time)
+  int nvec, lane, step, flip;
+
+  __device__ __forceinline__ explicit RowSpan(int64_t row_vecs, int flip_ = 0)
+      : nvec(kVecs > 0 ? kVecs : int(row_vecs)),
+        lane(threadIdx.x),
+        step(kVecs > 0 ? kVecs / NV : int(blockDim.x)),
+        flip(flip_) {}
+  __device__ __forceinline__ int at(int i) const { return lane + (i ^ flip) * step; }
+  __device__ __forceinline__ bool in(int i) const { return kVecs > 0 || at(i) < nvec; }
+};
+
+// Loads a thread's first N (at most NV) vectors of a row, as `span` places
+// them.
+template <int VEC, int N, int kVecs, int NV, typename T>
+__device__ __forceinline__ void load_row(RegVec<T, VEC> (&v)[N], const T* row,
+                                         const RowSpan<kVecs, NV>& span) {
+  static_assert(N <= NV);
 #pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    const int c = lane + (i ^ flip) * int(blockDim.x);
-    v[i] = load_or_zero<VEC>(row, c, c < nvec);
-  }
+  for (int i = 0; i < N; ++i) v[i] = load_or_zero<VEC>(row, span.at(i), span.in(i));
 }
 
 // Element k of the NV * VEC a thread holds, in the accumulation type.
@@ -56,10 +76,11 @@ __device__ __forceinline__ auto tree_sum(F&& term) {
   }
 }
 
-template <typename A>
+// Sums v over aligned groups of kLanes lanes (a power of two), as a butterfly.
+template <int kLanes = 32, typename A>
 __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
-  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  for (int off = kLanes / 2; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
   return v;
 }
 
@@ -75,9 +96,14 @@ struct WarpSlots {
 // butterfly adds them up: a fixed order, the same bits in every thread. One
 // barrier; `slots` must not be written again by this block. A loop over the
 // warps instead (its trip count known at run time only) compiled to 8% more
-// instructions in RMSNorm's decode forward (benchmarks/NOTES.md, v7).
-template <int K, typename A>
+// instructions in RMSNorm's decode forward (benchmarks/NOTES.md, v7). With
+// the block's warps known at compile time (kWarps > 0, a power of two), each
+// group of kWarps lanes reads all the warps' sums and adds them in log2(kWarps)
+// steps rather than 5: the same tree, so the same bits. On an H200 that took
+// the LayerNorm forward at 64x4096 from 1.66 to 1.57 µs (v9).
+template <int kWarps = 0, int K, typename A>
 __device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
+  static_assert(kWarps >= 0 && kWarps <= 32 && (kWarps & (kWarps - 1)) == 0);
 #pragma unroll
   for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
   const int lane = threadIdx.x % 32;
@@ -87,36 +113,40 @@ __device__ __forceinline__ void block_sum(A (&v)[K], WarpSlots<K, A>& slots) {
   }
   __syncthreads();
   Packed<A, K> p = {};
-  if (lane < int(blockDim.x / 32)) p = slots.v[lane];
+  constexpr int kLanes = kWarps > 0 ? kWarps : 32;
+  if constexpr (kWarps > 0) {
+    p = slots.v[lane % kWarps];
+  } else if (lane < int(blockDim.x / 32)) {
+    p = slots.v[lane];
+  }
 #pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = warp_sum(p.v[k]);
+  for (int k = 0; k < K; ++k) v[k] = warp_sum<kLanes>(p.v[k]);
 }
 
 // A row's mean (0 unless kCentered) and 1 / sqrt(variance + epsilon) in the
-// decode kernels, from the NV vectors each thread holds as load_row(..., flip)
+// decode kernels, from the NV vectors each thread holds as load_row(..., span)
 // left them (zeros past the row's end): exact two passes over the registers,
 // one block_sum each. A flip permutes the registers in pairs of tree_sum's
 // halves, so the sums, and the statistics, keep their bits. Merging
 // (mean, M2) pairs instead, per warp (v7) or per lane (v8), measured no
 // faster (benchmarks/NOTES.md).
-template <bool kCentered, typename A, int VEC, int NV, typename X>
-__device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV], int nvec,
-                                                int flip, A inv_n, A epsilon,
-                                                WarpSlots<1, A> (&slots)[2], A& mean,
-                                                A& rstd) {
+template <bool kCentered, typename A, int VEC, int NV, int kVecs, typename X>
+__device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
+                                                const RowSpan<kVecs, NV>& span, A inv_n,
+                                                A epsilon, WarpSlots<1, A> (&slots)[2],
+                                                A& mean, A& rstd) {
   auto x = [&](int k) { return element(xv, k); };
   mean = 0;
   if constexpr (kCentered) {
     A s[1] = {tree_sum<NV * VEC>(x)};
-    block_sum(s, slots[0]);
+    block_sum<RowSpan<kVecs, NV>::kWarps>(s, slots[0]);
     mean = s[0] * inv_n;
   }
-  const int lane = threadIdx.x, step = blockDim.x;
   A ss[1] = {tree_sum<NV * VEC>([&](int k) {
     const A d = x(k) - mean;  // x is 0 past the row's end: d * d is 0 there for RMSNorm only
-    return kCentered && lane + (k / VEC ^ flip) * step >= nvec ? A(0) : d * d;
+    return kCentered && !span.in(k / VEC) ? A(0) : d * d;
   })};
-  block_sum(ss, slots[1]);
+  block_sum<RowSpan<kVecs, NV>::kWarps>(ss, slots[1]);
   rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
 }
 
@@ -135,42 +165,45 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // fewer, for more registers. kSplit > 1 (decode only): kSplit blocks share a
 // row; each reduces all of it (with the same bits: block_row_stats) and
 // normalizes and writes NV / kSplit of its vectors, the registers its flip
-// brings first.
+// brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
+// kRowVecs / NV threads a block (RowSpan).
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
-          bool kEarlyParams, int kSplit = 1>
+          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0>
 __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
   using A = acc_t<X>;
   static_assert(kSplit == 1 || (NV == kFewNv && NV % kSplit == 0 && kWriteY));
+  static_assert(kRowVecs == 0 || NV == kFewNv);
   constexpr int kOwn = NV / kSplit;  // vectors this block writes
   constexpr bool kHold = kWriteY && kEarlyParams;
   constexpr int kHeld = kHold ? kOwn : 1;  // parameter vectors held
   __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
-  const int hidden = int(a.hidden), nvec = hidden / VEC, lane = threadIdx.x;
+  const int hidden = kRowVecs > 0 ? kRowVecs * VEC : int(a.hidden);
   const int64_t row = blockIdx.x / kSplit;
-  const int part = blockIdx.x % kSplit, flip = part * kOwn;
+  const int part = blockIdx.x % kSplit;
+  const RowSpan<kRowVecs, NV> span(hidden / VEC, part * kOwn);
   const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && kCentered && a.has_bias;
   const W* scale = static_cast<const W*>(a.scale);
   const W* bias = static_cast<const W*>(a.bias);
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
-  load_row(xv, static_cast<const X*>(a.x) + row * hidden, lane, nvec, flip);
+  load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
   if constexpr (kHold) {
-    if (use_w) load_row(wv, scale, lane, nvec, flip);
-    if (use_b) load_row(bv, bias, lane, nvec, flip);
+    if (use_w) load_row(wv, scale, span);
+    if (use_b) load_row(bv, bias, span);
   }
   A mean, rstd;
   const A inv_n = A(1) / A(hidden);
   if constexpr (NV == kFewNv) {
-    block_row_stats<kCentered>(xv, nvec, flip, inv_n, A(a.epsilon), slots, mean, rstd);
+    block_row_stats<kCentered>(xv, span, inv_n, A(a.epsilon), slots, mean, rstd);
   } else {
     // Many rows: the generic kernels' statistics, centered or not at run
     // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
     // 64-83 registers instead of 52-64, which cost the SM a block and up to
     // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
-    row_stats(xv, lane, int(blockDim.x), nvec, a, inv_n, mean, rstd,
+    row_stats(xv, span.lane, span.step, span.nvec, a, inv_n, mean, rstd,
               [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
   }
-  if (lane == 0 && part == 0) {
+  if (span.lane == 0 && part == 0) {
     if (kCentered) static_cast<A*>(a.mean)[row] = mean;
     static_cast<A*>(a.rstd)[row] = rstd;
   }
@@ -182,8 +215,8 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     Y* yr = static_cast<Y*>(a.y) + row * hidden;
 #pragma unroll
     for (int i = 0; i < kOwn; ++i) {
-      const int c = lane + (i ^ flip) * int(blockDim.x);
-      if (c >= nvec) continue;
+      if (!span.in(i)) continue;
+      const int c = span.at(i);
       A w[VEC], b[VEC];
       if constexpr (kHold) {
         unpack(w, wv[i]);
@@ -212,11 +245,32 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
   return tpr >= (write_y ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
 }
 
-// Whether the decode forward gives each row two blocks: where that still
-// leaves half the SMs without one. On an H200 (bf16, 4096 wide) two blocks a
-// row took 3-8% less time at 1 to 32 rows and up to 4% more at 64
-// (benchmarks/NOTES.md, v8).
-inline bool split_rows(int64_t rows, int sms) { return 4 * rows <= sms; }
+// Whether the decode forward gives each row two blocks: for LayerNorm where
+// no SM gets two, for RMSNorm where half the SMs are left without one. On an
+// H200 (bf16), two blocks a row took 3-8% less time at 1 to 32 rows; at 64
+// rows, 2% less for LayerNorm 4096 wide and 8% at 8192, and for RMSNorm no
+// less, or up to 4% more (benchmarks/NOTES.md, v8 and v9).
+inline bool split_rows(int64_t rows, int sms, bool centered) {
+  return (centered ? 2 : 4) * rows <= sms;
+}
+
+// Calls f(std::integral_constant<int, V>) with V = nvec for the row lengths
+// (in 16-byte vectors) that have decode kernels (the forward and the
+// backward's row dots) compiled for them, V = 0 for the others: 2048, 4096
+// and 8192 wide in bf16/f16, 1024 to 4096 in f32.
+// Fixed at compile time, the kernel drops its bounds checks and address
+// arithmetic (RowSpan) and shortens its block sums (block_sum): on an H200
+// the first took the LayerNorm forward at 64x4096 from 1.92 to 1.66 µs and
+// RMSNorm's from 1.54 to 1.38-1.41 (benchmarks/NOTES.md, v9).
+template <typename F>
+cudaError_t with_row_vecs(int64_t nvec, F&& f) {
+  switch (nvec) {
+    case 256: return f(std::integral_constant<int, 256>{});
+    case 512: return f(std::integral_constant<int, 512>{});
+    case 1024: return f(std::integral_constant<int, 1024>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
 
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
@@ -237,14 +291,20 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
     if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
-      return launch(nv == kFewNv ? fwd_block<X, X, X, VEC, kFewNv, kC, false, false>
-                                 : fwd_block<X, X, X, VEC, 8, kC, false, false>);
+      if (nv != kFewNv) return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>);
+      return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
+        constexpr int V = decltype(vecs)::value;
+        return launch(fwd_block<X, X, X, VEC, kFewNv, kC, false, false, 1, V>);
+      });
     }
     if (nv == kFewNv) {
-      if (split_rows(a.rows, dev.sms)) {
-        return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 2>, 2);
-      }
-      return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true>);
+      return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
+        constexpr int V = decltype(vecs)::value;
+        if (split_rows(a.rows, dev.sms, kC)) {
+          return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 2, V>, 2);
+        }
+        return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
+      });
     }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
@@ -259,20 +319,22 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
 // One block a row. kDots: the column plan's first launch, which writes each
 // row's mean(g * xhat) and mean(g) to a.partial ([row][2]) and nothing else.
 // Otherwise the grid is one block (one row), which writes dx, dscale and
-// dbias. kCentered: LayerNorm (else RMSNorm).
-template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots>
+// dbias. kCentered: LayerNorm (else RMSNorm). kRowVecs > 0: rows of exactly
+// that many vectors (RowSpan).
+template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots,
+          int kRowVecs = 0>
 __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   using A = acc_t<X>;
   constexpr int NV = kFewNv, K = kCentered ? 2 : 1;  // row sums: g * xhat (and g)
   __shared__ WarpSlots<K, A> slots;
-  const int lane = threadIdx.x, nvec = int(a.hidden / VEC);
-  const int64_t row = blockIdx.x;
+  const int64_t row = blockIdx.x, hidden = kRowVecs > 0 ? kRowVecs * VEC : a.hidden;
+  const RowSpan<kRowVecs, NV> span(hidden / VEC);
   RegVec<W, VEC> wv[NV];
   RegVec<X, VEC> xv[NV];
   RegVec<G, VEC> gv[NV];
-  if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), lane, nvec);
-  load_row(xv, static_cast<const X*>(a.x) + row * a.hidden, lane, nvec);
-  load_row(gv, static_cast<const G*>(a.dy) + row * a.hidden, lane, nvec);
+  if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), span);
+  load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
+  load_row(gv, static_cast<const G*>(a.dy) + row * hidden, span);
   const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
   const A rstd = static_cast<const A*>(a.rstd)[row];
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
@@ -284,18 +346,18 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   A s[K];  // rstd taken out of the sum: one multiply less an element
   s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (element(xv, k) - mean); });
   if constexpr (kCentered) s[K - 1] = tree_sum<NV * VEC>(g);
-  block_sum(s, slots);
-  const A inv_n = A(1) / A(a.hidden);
+  block_sum<RowSpan<kRowVecs, NV>::kWarps>(s, slots);
+  const A inv_n = A(1) / A(hidden);
   const A c_gx = s[0] * inv_n, c_g = kCentered ? s[K - 1] * inv_n : A(0);
   if constexpr (kDots) {
-    if (lane == 0) static_cast<Packed<A, 2>*>(a.partial)[row] = Packed<A, 2>{{c_gx, c_g}};
+    if (span.lane == 0) static_cast<Packed<A, 2>*>(a.partial)[row] = Packed<A, 2>{{c_gx, c_g}};
     return;
   }
-  X* dxr = static_cast<X*>(a.dx) + row * a.hidden;
+  X* dxr = static_cast<X*>(a.dx) + row * hidden;
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    const int c = lane + i * int(blockDim.x);
-    if (c >= nvec) continue;
+    if (!span.in(i)) continue;
+    const int c = span.at(i);
     A d[VEC], xh[VEC], o[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
@@ -441,8 +503,11 @@ cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdAr
       bwd_few<X, G, W, VEC, kC, false><<<1, p.threads, 0, stream>>>(a);
       return cudaGetLastError();
     }
-    bwd_few<X, G, W, VEC, kC, true><<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
-    const cudaError_t err = cudaGetLastError();
+    const cudaError_t err = with_row_vecs(a.hidden / VEC, [&](auto vecs) {
+      auto dots = bwd_few<X, G, W, VEC, kC, true, decltype(vecs)::value>;
+      dots<<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
+      return cudaGetLastError();
+    });
     if (err != cudaSuccess) return err;
     const unsigned grid = unsigned((a.hidden / VEC + kColVecs - 1) / kColVecs);
     bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a);
