@@ -3,7 +3,8 @@
 # build uses the machine's jax, nanobind and scikit-build-core), run the whole
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
-# STEPS picks what runs after the build (default: tests plans bench); the
+# STEPS picks what runs after the build (default: tests plans bench; also
+# "examples", which runs examples/ on the machine's GPUs); the
 # step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -38,6 +39,13 @@ if step tests; then
   echo "== tests on the GPU"
   (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$repo/tests" 2>&1) | tee "$OUT/tests.log" | tail -15
   tests_rc=${PIPESTATUS[0]}
+fi
+
+if step examples; then
+  echo "== examples"
+  for ex in quickstart sharded_training; do
+    (cd /tmp && python3 "$repo/examples/$ex.py" 2>&1) | tee "$OUT/example_$ex.log" | tail -12
+  done
 fi
 
 if step ncu; then

@@ -90,3 +90,15 @@ def parameter(op: str, name: str, p):
 def rows_and_size(x_shape: Sequence[int], norm_shape: Sequence[int]) -> tuple[int, int]:
     k = len(norm_shape)
     return math.prod(x_shape[: len(x_shape) - k]), math.prod(norm_shape)
+
+
+def axis_name(op: str, value) -> tuple[str, ...]:
+    """`axis_name` as a tuple of mesh axis names (empty for None)."""
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, tuple | list) or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"{op}: axis_name must be a mesh axis name or a tuple of them, got {value!r}"
+        )
+    return tuple(names)

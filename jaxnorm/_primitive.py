@@ -1,12 +1,14 @@
-"""Machinery every jaxnorm op shares: defining a primitive (abstract eval,
-per-platform lowering, batching, eager impl), output avals that keep the
-operands' sharding and manual-axis information, and lining up the varying
-manual axes of operands inside `shard_map`.
+"""Machinery every jaxnorm op shares: defining primitives, output avals that
+keep the operands' sharding and manual-axis information, and lining up the
+varying manual axes of operands inside `shard_map`.
 
-An op supplies an abstract-eval rule, a pure-jnp reference implementation of
-the same math, and the FFI attributes taken from its parameters. The reference
-is the lowering on platforms without a compiled kernel (TPU, ROCm, or a build
-without CUDA) and the batching rule for cases a kernel cannot batch.
+Each op has two layers of primitives. The user-facing one works on x of shape
+(*rows, *normalized) and is what jaxprs contain: it has the abstract eval, the
+vmap rule and the eager impl, and its lowering goes through automatic
+partitioning (`_partition.row_partitioned`). That lowering binds the kernel
+primitive, which sees the kernel's own (rows, hidden) operands on one device
+and lowers to the FFI handler, or to a jax.numpy reference of the same math on
+platforms without a compiled kernel (TPU, ROCm, a build without CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
@@ -25,31 +28,59 @@ from jax.sharding import PartitionSpec
 from jaxnorm._ffi import KERNELS, TARGET_PREFIX
 
 
-def define_primitive(
+def define_kernel_primitive(
     name: str,
     *,
     abstract_eval: Callable[..., Sequence[Any]],
     reference: Callable[..., Sequence[jax.Array]],
     attributes: Callable[..., dict[str, Any]],
-    row_args: Sequence[bool],
-    row_outs: Sequence[bool],
 ) -> Primitive:
-    """A multiple-result primitive lowered to the FFI target `name`.
+    """The primitive of one FFI target `name`, on the kernel's own operands.
 
-    `row_args`/`row_outs` flag the operands and results whose leading axis runs
-    over independent rows: vmap folds a batch axis into those rows and calls
-    the kernel once. Other results (reductions over rows, such as dscale) come
-    from the vmapped reference in that case.
+    It lowers to the compiled handler on the platforms this build has one for
+    and to `reference` (the same math in jax.numpy) everywhere else. It is only
+    bound from inside the lowering of a user-facing primitive (see
+    `define_row_primitive`), after vmap, autodiff and partitioning are done.
     """
-    prim = Primitive(TARGET_PREFIX + name)
+    prim = Primitive(TARGET_PREFIX + name + "_kernel")
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
-    prim.def_impl(functools.partial(_eager_impl, prim))
     mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True))
     for platform, names in KERNELS.items():
         if name in names:
             rule = _ffi_lowering(TARGET_PREFIX + name, attributes)
             mlir.register_lowering(prim, rule, platform=platform)
+    return prim
+
+
+def define_row_primitive(
+    name: str,
+    *,
+    abstract_eval: Callable[..., Sequence[Any]],
+    reference: Callable[..., Sequence[jax.Array]],
+    lower: Callable[..., Sequence[jax.Array]],
+    row_args: Sequence[bool],
+    row_outs: Sequence[bool],
+) -> Primitive:
+    """A user-facing multiple-result primitive on x of shape (*rows, *normalized).
+
+    `lower(*arrays, **params)` is its lowering on every platform, written in
+    JAX: it goes through automatic partitioning and binds kernel primitives.
+    `reference` is the same math in jax.numpy, used by vmap where a kernel
+    cannot batch. `row_args`/`row_outs` flag the operands and results whose
+    leading dims are x's row dims: vmap makes its batch axis one more row dim.
+    Other results (reductions over rows, such as dscale) come from the vmapped
+    reference in that case. A ``(0,)`` array stands for an argument or result
+    the call lacks (a RMSNorm's mean, a forward without bias).
+    """
+    prim = Primitive(TARGET_PREFIX + name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract_eval)
+    prim.def_impl(functools.partial(_eager_impl, prim))
+    mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
+    # The lowering emits custom_partitioning, which needs the device assignment;
+    # jit hands it to lowering only for primitives listed here.
+    dispatch.prim_requires_devices_during_lowering.add(prim)
     batching.primitive_batchers[prim] = functools.partial(
         _batch_rows, prim, reference, tuple(row_args), tuple(row_outs)
     )
@@ -76,6 +107,11 @@ def _eager_impl(prim: Primitive, *args, **params):
         return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
 
 
+def is_placeholder(a) -> bool:
+    """Whether `a` is the ``(0,)`` stand-in for an absent argument or result."""
+    return tuple(a.shape) == (0,)
+
+
 def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
     not_mapped = getattr(batching, "not_mapped", None)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
@@ -88,21 +124,19 @@ def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
         outs = vmapped_reference()
         return list(outs), [0] * len(outs)
 
-    merged = []
+    moved = []
     for a, d, row in zip(args, dims, row_args):
-        if row:
+        if row and not is_placeholder(a):
             a = jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
-            a = a.reshape((size * a.shape[1], *a.shape[2:]))
-        merged.append(a)
-    outs = list(prim.bind(*merged, **params))
+        moved.append(a)
+    outs = list(prim.bind(*moved, **params))
     out_dims = []
     per_example = []
     for i, (o, row) in enumerate(zip(outs, row_outs)):
-        if row:
-            outs[i] = o.reshape((size, o.shape[0] // size, *o.shape[1:]))
-            out_dims.append(0)
-        elif o.size == 0:
+        if o.size == 0 and is_placeholder(o):
             out_dims.append(not_mapped)
+        elif row:
+            out_dims.append(0)
         else:
             per_example.append(i)
             out_dims.append(0)

@@ -52,3 +52,9 @@ def assert_close(actual, expected, dtype, scale=1.0):
         np.asarray(actual, np.float64), np.asarray(expected, np.float64),
         rtol=rtol, atol=atol * scale,
     )
+
+
+def rand(seed, shape, dtype, offset=0.0):
+    """Fresh standard-normal data (plus `offset`) in `dtype`."""
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal(shape) + offset, dtype)

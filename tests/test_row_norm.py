@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import assert_close, norm_np, vjp64
+from reference import assert_close, norm_np, rand, vjp64
 
 import jaxnorm
 
@@ -17,11 +17,6 @@ OPS = {
     "rms_norm": (jaxnorm.rms_norm, False, 1e-6),
     "layer_norm": (jaxnorm.layer_norm, True, 1e-5),
 }
-
-
-def rand(seed, shape, dtype, offset=0.0):
-    rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal(shape) + offset, dtype)
 
 
 def call(op, x, scale, bias, **kw):
@@ -438,13 +433,13 @@ def test_reference_implementation(centered):
     x = rand(91, (6, 50), jnp.float32)
     scale = rand(92, (50,), jnp.float32, 1.0)
     bias = rand(93, (50,), jnp.float32) if centered else jnp.zeros((0,), jnp.float32)
-    y, mean, rstd = row_norm._fwd_reference(
+    y, mean, rstd = row_norm._fwd_kernel_reference(
         x, scale, bias, epsilon=1e-5, centered=centered, out_dtype=jnp.float32, write_output=True
     )
     b = bias if centered else None
     assert_close(y, norm_np(x, scale, b, 1e-5, centered, 1), jnp.float32)
     dy = rand(94, (6, 50), jnp.float32)
-    dx, ds, db = row_norm._bwd_reference(
+    dx, ds, db = row_norm._bwd_kernel_reference(
         x, scale, mean, rstd, dy, centered=centered, has_bias=centered, param_dtype=jnp.float32
     )
     want = vjp64(x, scale, b, dy, 1e-5, centered, 1)
