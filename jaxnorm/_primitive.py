@@ -79,7 +79,8 @@ def define_row_primitive(
     prim.def_impl(functools.partial(_eager_impl, prim))
     mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
     # The lowering emits custom_partitioning, which needs the device assignment;
-    # jit hands it to lowering only for primitives listed here.
+    # jit hands it to lowering only for primitives listed here (JAX internals,
+    # as TransformerEngine's primitives use them too).
     dispatch.prim_requires_devices_during_lowering.add(prim)
     batching.primitive_batchers[prim] = functools.partial(
         _batch_rows, prim, reference, tuple(row_args), tuple(row_outs)
@@ -107,7 +108,7 @@ def _eager_impl(prim: Primitive, *args, **params):
         return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
 
 
-def is_placeholder(a) -> bool:
+def _is_placeholder(a) -> bool:
     """Whether `a` is the ``(0,)`` stand-in for an absent argument or result."""
     return tuple(a.shape) == (0,)
 
@@ -126,14 +127,14 @@ def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
 
     moved = []
     for a, d, row in zip(args, dims, row_args):
-        if row and not is_placeholder(a):
+        if row and not _is_placeholder(a):
             a = jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
         moved.append(a)
     outs = list(prim.bind(*moved, **params))
     out_dims = []
     per_example = []
     for i, (o, row) in enumerate(zip(outs, row_outs)):
-        if o.size == 0 and is_placeholder(o):
+        if _is_placeholder(o):
             out_dims.append(not_mapped)
         elif row:
             out_dims.append(0)

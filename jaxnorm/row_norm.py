@@ -70,15 +70,8 @@ def _fwd_kernel_abstract(x, scale, bias, *, epsilon, centered, out_dtype, write_
     return y, mean, rstd
 
 
-def _fwd_kernel_reference(x, scale, bias, *, epsilon, centered, out_dtype, write_output):
-    acc = _stats_dtype(x.dtype)
-    xf = x.astype(acc)
-    mean = jnp.mean(xf, axis=-1) if centered else jnp.zeros((0,), acc)
-    xc = xf - mean[:, None] if centered else xf
-    rstd = lax.rsqrt(jnp.mean(xc * xc, axis=-1) + jnp.asarray(epsilon, acc))
-    if not write_output:
-        return jnp.zeros((x.shape[0], 0), out_dtype), mean, rstd
-    return _normalize(xf, mean, rstd, scale, bias, out_dtype), mean, rstd
+def _fwd_kernel_reference(x, scale, bias, **params):
+    return _fwd_rows(x, scale, bias, axes=(), hidden_total=x.shape[1], **params)
 
 
 def _normalize(xf, mean, rstd, scale, bias, out_dtype):
@@ -112,13 +105,14 @@ def _bwd_kernel_abstract(x, scale, mean, rstd, dy, *, centered, has_bias, param_
 
 
 def _bwd_kernel_reference(x, scale, mean, rstd, dy, *, centered, has_bias, param_dtype):
-    dx, dscale, dbias = _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, axes=())
+    dx, dscale, dbias = _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, axes=(),
+                                  hidden_total=x.shape[1])
     dscale = dscale.astype(scale.dtype)
     dbias = dbias.astype(param_dtype)
     return dx, dscale, dbias
 
 
-def _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, *, axes, hidden_total=None):
+def _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, *, axes, hidden_total):
     """dx and the float32 (float64) per-device dscale, dbias of rows that may
     be split over the mesh `axes`: then the per-row dot products are local
     partial sums, combined with one psum.
@@ -135,7 +129,7 @@ def _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, *, axes, hidden_tota
     dots = jnp.stack(dots, axis=-1)
     if axes:
         dots = lax.psum(dots, axes)
-    dots = dots / (hidden_total or x.shape[1])
+    dots = dots / hidden_total
     dx = g - dots[:, :1] * xhat
     if centered:
         dx = dx - dots[:, 1:]
@@ -157,12 +151,10 @@ row_norm_bwd_kernel_p = define_kernel_primitive(
 )
 
 
-# ------------------------------------- rows split over a mesh's hidden axes
-
-
-def _split_row_stats(x, axes, hidden_total, epsilon, centered):
-    """Per-row (mean, rstd) of rows whose hidden dim is split over the mesh
-    `axes`, from one small collective of per-slice statistics.
+def _row_stats(x, axes, hidden_total, epsilon, centered):
+    """Per-row (x in the statistics dtype, mean, rstd) of rows that may be
+    split over the mesh `axes`: then each device sums its slice and one small
+    collective of per-slice statistics combines them.
 
     RMSNorm: one psum of each slice's sum of squares (1 float per row).
     LayerNorm: each slice's two-pass (mean, M2), all-gathered (2 floats per
@@ -175,19 +167,27 @@ def _split_row_stats(x, axes, hidden_total, epsilon, centered):
     xf = x.astype(acc)
     eps = jnp.asarray(epsilon, acc)
     if not centered:
-        sum_sq = lax.psum(jnp.sum(xf * xf, axis=-1), axes)
+        sum_sq = jnp.sum(xf * xf, axis=-1)
+        if axes:
+            sum_sq = lax.psum(sum_sq, axes)
         return xf, jnp.zeros((0,), acc), lax.rsqrt(sum_sq / hidden_total + eps)
     mean = jnp.mean(xf, axis=-1)
     m2 = jnp.sum(jnp.square(xf - mean[:, None]), axis=-1)
-    parts = lax.all_gather(jnp.stack([mean, m2], axis=-1), axes)  # (slices, rows, 2)
-    means = parts[..., 0]
-    mean = jnp.mean(means, axis=0)  # slices have equal sizes
-    m2 = jnp.sum(parts[..., 1], axis=0) + x.shape[1] * jnp.sum(jnp.square(means - mean), axis=0)
+    if axes:
+        parts = lax.all_gather(jnp.stack([mean, m2], axis=-1), axes)  # (slices, rows, 2)
+        means = parts[..., 0]
+        mean = jnp.mean(means, axis=0)  # slices have equal sizes
+        m2 = jnp.sum(parts[..., 1], axis=0) + x.shape[1] * jnp.sum(
+            jnp.square(means - mean), axis=0
+        )
     return xf, mean, lax.rsqrt(m2 / hidden_total + eps)
 
 
-def _split_fwd(x, scale, bias, *, axes, hidden_total, epsilon, centered, out_dtype, write_output):
-    xf, mean, rstd = _split_row_stats(x, axes, hidden_total, epsilon, centered)
+def _fwd_rows(x, scale, bias, *, axes, hidden_total, epsilon, centered, out_dtype,
+              write_output):
+    """The forward in jax.numpy on (rows, hidden), rows possibly split over the
+    mesh `axes` (see `_row_stats`)."""
+    xf, mean, rstd = _row_stats(x, axes, hidden_total, epsilon, centered)
     if not write_output:
         return jnp.zeros((x.shape[0], 0), out_dtype), mean, rstd
     return _normalize(xf, mean, rstd, scale, bias, out_dtype), mean, rstd
@@ -213,8 +213,8 @@ def _fwd_local(x, scale, bias, *, axes, kernel, norm_ndim, **params):
     s2, b2 = _flat(scale), _flat(bias)
     if axes.hidden:
         hidden_total = x2.shape[1] * axes.hidden_shards
-        y2, mean, rstd = _split_fwd(x2, s2, b2, axes=axes.hidden, hidden_total=hidden_total,
-                                    **params)
+        y2, mean, rstd = _fwd_rows(x2, s2, b2, axes=axes.hidden, hidden_total=hidden_total,
+                                   **params)
     else:
         y2, mean, rstd = kernel(x2, s2, b2, **params)
     y = y2.reshape(x.shape) if params["write_output"] else _empty(y2.dtype)
