@@ -1,5 +1,11 @@
-"""RMSNorm and LayerNorm: jaxnorm against XLA's fused jnp implementation of the
-same math (same dtypes, float32 statistics), as device kernel time.
+"""RMSNorm, LayerNorm and fused add+RMSNorm: jaxnorm against XLA's fused jnp
+implementation of the same math (same dtypes, float32 statistics), as device
+kernel time. Decode shapes (1 to 256 rows) for the forwards of RMSNorm and
+add+RMSNorm.
+
+add+RMSNorm forward, jaxnorm: the fused kernel's time, as in a model or with x
+and residual donated, where it works in place; a standalone call on inputs that
+stay live adds XLA's copies of them first (listed in the log, not counted).
 
 Prints a markdown table and writes the same records as JSON:
   python benchmarks/bench_row_norm.py --out DIR
@@ -21,6 +27,7 @@ from devtime import copy_bandwidth_gbps, kernel_times
 import jaxnorm
 
 SHAPES = [(16384, 4096), (4096, 8192), (65536, 1024), (8192, 12288), (64, 4096), (1, 4096)]
+DECODE = [(t, h) for h in (4096, 8192) for t in (1, 8, 64, 256)]
 
 
 def xla_rms_norm(x, scale, epsilon=1e-6):
@@ -38,10 +45,18 @@ def xla_layer_norm(x, scale, bias, epsilon=1e-5):
     return y.astype(x.dtype)
 
 
+def xla_add_rms_norm(x, residual, scale, epsilon=1e-6):
+    h = x + residual
+    return xla_rms_norm(h, scale, epsilon), h
+
+
 IMPLS = {
     "rms_norm": {"jaxnorm": jaxnorm.rms_norm, "xla": xla_rms_norm},
     "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm},
+    "add_rms_norm": {"jaxnorm": jaxnorm.add_rms_norm, "xla": xla_add_rms_norm},
 }
+# bytes moved per element of x, at the least
+BYTES = {("fwd", False): 2, ("fwd+bwd", False): 3, ("fwd", True): 4, ("fwd+bwd", True): 5}
 
 
 def inputs(op, shape, dtype):
@@ -49,6 +64,9 @@ def inputs(op, shape, dtype):
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     dy = jnp.asarray(rng.standard_normal(shape), dtype)
     params = [jnp.asarray(rng.standard_normal(shape[-1]) + 1, dtype)]
+    if op == "add_rms_norm":  # residual first; dy: the cotangents of y and h
+        params.insert(0, jnp.asarray(rng.standard_normal(shape), dtype))
+        dy = (dy, jnp.asarray(rng.standard_normal(shape), dtype))
     if op == "layer_norm":
         params.append(jnp.asarray(rng.standard_normal(shape[-1]), dtype))
     return x, params, dy
@@ -65,7 +83,15 @@ def timed(op, impl, pass_, shape, dtype):
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
     print(f"# {op} {pass_} {shape} {impl}: {detail}", flush=True)
+    if op == "add_rms_norm" and pass_ == "fwd" and impl == "jaxnorm":
+        return sum(us for name, us in kernels.items() if "jaxnorm" in name)
     return sum(kernels.values())
+
+
+def shapes_for(op, pass_, shapes):
+    if pass_ == "fwd" and op != "layer_norm" and shapes == SHAPES:
+        return SHAPES[:4] + DECODE
+    return shapes
 
 
 def main():
@@ -83,9 +109,9 @@ def main():
     records = []
     for op in IMPLS:
         for pass_ in ("fwd", "fwd+bwd"):
-            for shape in shapes:
+            for shape in shapes_for(op, pass_, shapes):
                 n = shape[0] * shape[1] * dtype.itemsize
-                nbytes = 2 * n if pass_ == "fwd" else 3 * n
+                nbytes = BYTES[pass_, op.startswith("add")] * n
                 times = {impl: timed(op, impl, pass_, shape, dtype) for impl in IMPLS[op]}
                 for impl, us in times.items():
                     records.append(dict(
@@ -96,7 +122,9 @@ def main():
     meta = dict(
         device=device, date=datetime.date.today().isoformat(), copy_gbps=round(copy, 1),
         jax=jax.__version__, jaxnorm=jaxnorm.__version__, python=platform.python_version(),
-        bytes="fwd: read x + write y; fwd+bwd: read x, dy + write dx (primal output unused)",
+        bytes="fwd: read x + write y; fwd+bwd: read x, dy + write dx (primal output unused); "
+              "add_rms_norm fwd: read x, residual + write y, h; fwd+bwd: read x, residual, "
+              "dy, dh + write dx (= dresidual)",
     )
     lines = [
         f"Device: {device}; date {meta['date']}; jax {jax.__version__}; "

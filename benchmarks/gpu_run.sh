@@ -4,7 +4,8 @@
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
 # STEPS picks what runs after the build (default: tests plans bench; also
-# "examples", which runs examples/ on the machine's GPUs); the
+# "examples", which runs examples/ on the machine's GPUs, and "model", the
+# Llama-style model benchmark); SKIP_BUILD=1 keeps an earlier build; the
 # step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -25,7 +26,9 @@ fi
   | tee "$OUT/device.txt"
 echo "== build"
 start=$(date +%s)
-if ! python3 -m pip install --no-build-isolation --no-deps -v \
+if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
+  echo "kept the earlier build"
+elif ! python3 -m pip install --no-build-isolation --no-deps -v \
     -C cmake.define.JAXNORM_CUDA=ON \
     -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; exit 1
@@ -43,7 +46,7 @@ fi
 
 if step examples; then
   echo "== examples"
-  for ex in quickstart sharded_training; do
+  for ex in quickstart sharded_training llama_train; do
     (cd /tmp && python3 "$repo/examples/$ex.py" 2>&1) | tee "$OUT/example_$ex.log" | tail -12
   done
 fi
@@ -80,5 +83,9 @@ fi
 if step bench; then
   echo "== benchmarks"
   (cd benchmarks && python3 bench_row_norm.py --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40
+fi
+if step model; then
+  echo "== model benchmark"
+  (cd benchmarks && python3 bench_llama.py --out "$OUT") 2>&1 | tee "$OUT/bench_llama.log" | tail -12
 fi
 exit "$tests_rc"

@@ -81,6 +81,14 @@ def normalized_shape(
     return shape
 
 
+def same_shape(op: str, name: str, a, other_name: str, other) -> None:
+    if tuple(a.shape) != tuple(other.shape):
+        raise ValueError(
+            f"{op}: {name} must have the shape of {other_name} {tuple(other.shape)}, "
+            f"got {tuple(a.shape)}"
+        )
+
+
 def parameter(op: str, name: str, p):
     if p is None:
         return None

@@ -34,6 +34,7 @@ def define_kernel_primitive(
     abstract_eval: Callable[..., Sequence[Any]],
     reference: Callable[..., Sequence[jax.Array]],
     attributes: Callable[..., dict[str, Any]],
+    aliases: Callable[..., dict[int, int]] | None = None,
 ) -> Primitive:
     """The primitive of one FFI target `name`, on the kernel's own operands.
 
@@ -41,6 +42,8 @@ def define_kernel_primitive(
     and to `reference` (the same math in jax.numpy) everywhere else. It is only
     bound from inside the lowering of a user-facing primitive (see
     `define_row_primitive`), after vmap, autodiff and partitioning are done.
+    `aliases(avals_in, **params)` gives the operands whose buffers results
+    reuse ({operand: result}); XLA copies an operand that is still live.
     """
     prim = Primitive(TARGET_PREFIX + name + "_kernel")
     prim.multiple_results = True
@@ -48,7 +51,7 @@ def define_kernel_primitive(
     mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True))
     for platform, names in KERNELS.items():
         if name in names:
-            rule = _ffi_lowering(TARGET_PREFIX + name, attributes)
+            rule = _ffi_lowering(TARGET_PREFIX + name, attributes, aliases)
             mlir.register_lowering(prim, rule, platform=platform)
     return prim
 
@@ -88,10 +91,10 @@ def define_row_primitive(
     return prim
 
 
-def _ffi_lowering(target: str, attributes: Callable[..., dict[str, Any]]):
-    lower = jax.ffi.ffi_lowering(target)
-
+def _ffi_lowering(target: str, attributes: Callable[..., dict[str, Any]], aliases):
     def rule(ctx, *args, **params):
+        alias = aliases(ctx.avals_in, **params) if aliases else None
+        lower = jax.ffi.ffi_lowering(target, operand_output_aliases=alias or None)
         return lower(ctx, *args, **attributes(**params))
 
     return rule

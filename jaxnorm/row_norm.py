@@ -1,9 +1,12 @@
-"""RMSNorm and LayerNorm.
+"""RMSNorm and LayerNorm, and both fused with a residual add.
 
-Both normalize each row of x over its trailing (normalized) dimensions and
+They normalize each row of x over its trailing (normalized) dimensions and
 share one forward and one backward primitive; LayerNorm is the `centered` case
-(subtract the mean, then add a bias). The forward saves x and per-row float32
-statistics (mean, rstd), never the output; the backward reads them.
+(subtract the mean, then add a bias). The fused residual add normalizes
+h = x + residual and returns h too; its backward is the norm's backward of h
+plus the cotangent of h, added in the same kernel. The forward saves x (h) and
+per-row float32 statistics (mean, rstd), never the output; the backward reads
+them. With `zero_centered` the scale is applied as (1 + scale).
 
 Dtype rule: x may be float32, bfloat16, float16 or float64; statistics are
 float32 (float64 for float64 x); the output has x's dtype unless `dtype` is
@@ -38,6 +41,7 @@ from jaxnorm._partition import (
     row_partitioned,
 )
 from jaxnorm._primitive import (
+    _is_placeholder,
     define_kernel_primitive,
     define_row_primitive,
     like,
@@ -60,31 +64,50 @@ def _empty(dtype) -> jax.Array:
 # ------------------------------------------------ kernels: (rows, hidden)
 
 
-def _fwd_kernel_abstract(x, scale, bias, *, epsilon, centered, out_dtype, write_output):
-    del epsilon, scale, bias
+def _fwd_kernel_abstract(x, scale, bias, residual, *, epsilon, centered, zero_centered,
+                         out_dtype, write_output, alias_residual):
+    del epsilon, scale, bias, zero_centered, alias_residual
     rows, hidden = x.shape
     stats = _stats_dtype(x.dtype)
     y = like(x, (rows, hidden if write_output else 0), out_dtype, (0, 1))
     mean = like(x, (rows if centered else 0,), stats, (0,))
     rstd = like(x, (rows,), stats, (0,))
-    return y, mean, rstd
+    new_residual = like(x, residual.shape, x.dtype, (0, 1) if residual.ndim == 2 else (None,))
+    return y, mean, rstd, new_residual
 
 
-def _fwd_kernel_reference(x, scale, bias, **params):
-    return _fwd_rows(x, scale, bias, axes=(), hidden_total=x.shape[1], **params)
+def _fwd_kernel_reference(x, scale, bias, residual, *, alias_residual, **params):
+    del alias_residual
+    return _fwd_rows(x, scale, bias, residual, axes=(), hidden_total=x.shape[1], **params)
 
 
-def _normalize(xf, mean, rstd, scale, bias, out_dtype):
+def _scale_as_applied(scale, dtype, zero_centered):
+    w = scale.astype(dtype)
+    return w + 1 if zero_centered else w
+
+
+def _normalize(xf, mean, rstd, scale, bias, zero_centered, out_dtype):
     y = (xf - mean[:, None] if mean.size else xf) * rstd[:, None]
     if scale.size:
-        y = y * scale.astype(xf.dtype)
+        y = y * _scale_as_applied(scale, xf.dtype, zero_centered)
     if bias.size:
         y = y + bias.astype(xf.dtype)
     return y.astype(out_dtype)
 
 
-def _fwd_kernel_attributes(*, epsilon, centered, **_):
-    return {"epsilon": np.float64(epsilon), "centered": np.bool_(centered)}
+def _fwd_kernel_attributes(*, epsilon, centered, zero_centered, **_):
+    return {"epsilon": np.float64(epsilon), "centered": np.bool_(centered),
+            "zero_centered": np.bool_(zero_centered)}
+
+
+def _fwd_kernel_aliases(avals_in, *, alias_residual, write_output, out_dtype, **_):
+    """Where asked, the fused add writes in place, as FlashInfer's does: h
+    (result 3) in residual's buffer (operand 3) and y in x's. Each kernel
+    thread reads its elements of x and residual before it writes them there."""
+    x, residual = avals_in[0], avals_in[3]
+    if not alias_residual or residual.ndim != 2:
+        return {}
+    return {3: 3, 0: 0} if write_output and x.dtype == out_dtype else {3: 3}
 
 
 row_norm_fwd_kernel_p = define_kernel_primitive(
@@ -92,11 +115,13 @@ row_norm_fwd_kernel_p = define_kernel_primitive(
     abstract_eval=_fwd_kernel_abstract,
     reference=_fwd_kernel_reference,
     attributes=_fwd_kernel_attributes,
+    aliases=_fwd_kernel_aliases,
 )
 
 
-def _bwd_kernel_abstract(x, scale, mean, rstd, dy, *, centered, has_bias, param_dtype):
-    del mean, rstd, dy, centered
+def _bwd_kernel_abstract(x, scale, mean, rstd, dy, dres, *, centered, zero_centered,
+                         has_bias, param_dtype):
+    del mean, rstd, dy, dres, centered, zero_centered
     hidden = x.shape[1]
     dx = like(x, x.shape, x.dtype, (0, 1))
     dscale = like(x, scale.shape, scale.dtype, (1 if scale.shape[0] else None,))
@@ -104,27 +129,29 @@ def _bwd_kernel_abstract(x, scale, mean, rstd, dy, *, centered, has_bias, param_
     return dx, dscale, dbias
 
 
-def _bwd_kernel_reference(x, scale, mean, rstd, dy, *, centered, has_bias, param_dtype):
-    dx, dscale, dbias = _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, axes=(),
-                                  hidden_total=x.shape[1])
+def _bwd_kernel_reference(x, scale, mean, rstd, dy, dres, *, centered, zero_centered,
+                          has_bias, param_dtype):
+    dx, dscale, dbias = _bwd_rows(x, scale, mean, rstd, dy, dres, centered, zero_centered,
+                                  has_bias, axes=(), hidden_total=x.shape[1])
     dscale = dscale.astype(scale.dtype)
     dbias = dbias.astype(param_dtype)
     return dx, dscale, dbias
 
 
-def _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, *, axes, hidden_total):
+def _bwd_rows(x, scale, mean, rstd, dy, dres, centered, zero_centered, has_bias, *, axes,
+              hidden_total):
     """dx and the float32 (float64) per-device dscale, dbias of rows that may
     be split over the mesh `axes`: then the per-row dot products are local
     partial sums, combined with one psum.
 
-    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale, with the
-    mean(g) term only for LayerNorm.
+    dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres], g = dy * scale,
+    with the mean(g) term only for LayerNorm.
     """
     acc = _stats_dtype(x.dtype)
     d = dy.astype(acc)
     xc = x.astype(acc) - mean[:, None] if centered else x.astype(acc)
     xhat = xc * rstd[:, None]
-    g = d * scale.astype(acc) if scale.size else d
+    g = d * _scale_as_applied(scale, acc, zero_centered) if scale.size else d
     dots = [jnp.sum(g * xhat, axis=-1)] + ([jnp.sum(g, axis=-1)] if centered else [])
     dots = jnp.stack(dots, axis=-1)
     if axes:
@@ -133,14 +160,17 @@ def _bwd_rows(x, scale, mean, rstd, dy, centered, has_bias, *, axes, hidden_tota
     dx = g - dots[:, :1] * xhat
     if centered:
         dx = dx - dots[:, 1:]
-    dx = (dx * rstd[:, None]).astype(x.dtype)
+    dx = dx * rstd[:, None]
+    if dres.size:
+        dx = dx + dres.astype(acc)
+    dx = dx.astype(x.dtype)
     dscale = jnp.sum(d * xhat, axis=0) if scale.size else jnp.zeros((0,), acc)
     dbias = jnp.sum(d, axis=0) if has_bias else jnp.zeros((0,), acc)
     return dx, dscale, dbias
 
 
-def _bwd_kernel_attributes(*, centered, **_):
-    return {"centered": np.bool_(centered)}
+def _bwd_kernel_attributes(*, centered, zero_centered, **_):
+    return {"centered": np.bool_(centered), "zero_centered": np.bool_(zero_centered)}
 
 
 row_norm_bwd_kernel_p = define_kernel_primitive(
@@ -183,14 +213,24 @@ def _row_stats(x, axes, hidden_total, epsilon, centered):
     return xf, mean, lax.rsqrt(m2 / hidden_total + eps)
 
 
-def _fwd_rows(x, scale, bias, *, axes, hidden_total, epsilon, centered, out_dtype,
-              write_output):
+def _add_residual(x, residual):
+    """h = x + residual, rounded to x's dtype as the unfused sum would be."""
+    acc = _stats_dtype(x.dtype)
+    return (x.astype(acc) + residual.astype(acc)).astype(x.dtype)
+
+
+def _fwd_rows(x, scale, bias, residual, *, axes, hidden_total, epsilon, centered,
+              zero_centered, out_dtype, write_output):
     """The forward in jax.numpy on (rows, hidden), rows possibly split over the
     mesh `axes` (see `_row_stats`)."""
+    new_residual = residual
+    if residual.size:
+        x = new_residual = _add_residual(x, residual)
     xf, mean, rstd = _row_stats(x, axes, hidden_total, epsilon, centered)
     if not write_output:
-        return jnp.zeros((x.shape[0], 0), out_dtype), mean, rstd
-    return _normalize(xf, mean, rstd, scale, bias, out_dtype), mean, rstd
+        return jnp.zeros((x.shape[0], 0), out_dtype), mean, rstd, new_residual
+    y = _normalize(xf, mean, rstd, scale, bias, zero_centered, out_dtype)
+    return y, mean, rstd, new_residual
 
 
 # ---------------------------------------------- per device: (*rows, *norm)
@@ -205,39 +245,44 @@ def _flat(a):
     return a.reshape(-1) if a.size else a
 
 
-def _fwd_local(x, scale, bias, *, axes, kernel, norm_ndim, **params):
+def _fwd_local(x, scale, bias, residual, *, axes, kernel, norm_ndim, alias_residual,
+               **params):
     """The forward on one device's block of x. Rows split over hidden axes
     need their statistics combined across devices; otherwise `kernel` runs on
     the flattened (rows, hidden) block."""
     rows_shape, x2 = _flat_rows(x, norm_ndim)
     s2, b2 = _flat(scale), _flat(bias)
+    r2 = residual.reshape(x2.shape) if residual.size else residual
     if axes.hidden:
         hidden_total = x2.shape[1] * axes.hidden_shards
-        y2, mean, rstd = _fwd_rows(x2, s2, b2, axes=axes.hidden, hidden_total=hidden_total,
-                                   **params)
+        y2, mean, rstd, h2 = _fwd_rows(x2, s2, b2, r2, axes=axes.hidden,
+                                       hidden_total=hidden_total, **params)
     else:
-        y2, mean, rstd = kernel(x2, s2, b2, **params)
+        y2, mean, rstd, h2 = kernel(x2, s2, b2, r2, alias_residual=alias_residual, **params)
     y = y2.reshape(x.shape) if params["write_output"] else _empty(y2.dtype)
-    return y, mean.reshape(rows_shape) if mean.size else mean, rstd.reshape(rows_shape)
+    h = h2.reshape(x.shape) if residual.size else h2
+    return y, mean.reshape(rows_shape) if mean.size else mean, rstd.reshape(rows_shape), h
 
 
-def _bwd_local(x, scale, mean, rstd, dy, *, axes, kernel, norm_ndim, centered, has_bias,
-               param_dtype):
+def _bwd_local(x, scale, mean, rstd, dy, dres, *, axes, kernel, norm_ndim, centered,
+               zero_centered, has_bias, param_dtype):
     """The backward on one device's block. dscale/dbias are partial sums over
     the device's rows, so they are summed over the row axes (in float32, one
     psum for both); rows split over hidden axes also sum their dot products."""
     rows_shape, x2 = _flat_rows(x, norm_ndim)
     dy2 = dy.reshape(x2.shape)
+    dres2 = dres.reshape(x2.shape) if dres.size else dres
     s2, m2, r2 = _flat(scale), _flat(mean), _flat(rstd)
     if axes.hidden:
         hidden_total = x2.shape[1] * axes.hidden_shards
-        dx2, dscale, dbias = _bwd_rows(x2, s2, m2, r2, dy2, centered, has_bias,
-                                       axes=axes.hidden, hidden_total=hidden_total)
+        dx2, dscale, dbias = _bwd_rows(x2, s2, m2, r2, dy2, dres2, centered, zero_centered,
+                                       has_bias, axes=axes.hidden, hidden_total=hidden_total)
     else:
         # Partial sums travel in float32 (float64 for float64 parameters).
         wide = jnp.promote_types(param_dtype, jnp.float32) if axes.rows else param_dtype
-        dx2, dscale, dbias = kernel(x2, s2.astype(wide), m2, r2, dy2, centered=centered,
-                                    has_bias=has_bias, param_dtype=wide)
+        dx2, dscale, dbias = kernel(x2, s2.astype(wide), m2, r2, dy2, dres2, centered=centered,
+                                    zero_centered=zero_centered, has_bias=has_bias,
+                                    param_dtype=wide)
     if axes.rows:
         dscale, dbias = _psum_concat(axes.rows, dscale, dbias)
     norm_shape = x.shape[x.ndim - norm_ndim:]
@@ -276,19 +321,24 @@ def _partitioned(local, layout, params):
     return row_partitioned(op, layout, functools.partial(local, **dict(params)))
 
 
-def _fwd_layout(x, scale, bias, *, norm_ndim, centered, write_output, **_):
+def _rows_layout(a):
+    return ABSENT if _is_placeholder(a) else ROWS_NORM
+
+
+def _fwd_layout(x, scale, bias, residual, *, norm_ndim, centered, write_output, **_):
     return RowLayout(
-        ins=(ROWS_NORM, _param_layout(scale), _param_layout(bias)),
-        outs=(ROWS_NORM if write_output else ABSENT, ROWS if centered else ABSENT, ROWS),
+        ins=(ROWS_NORM, _param_layout(scale), _param_layout(bias), _rows_layout(residual)),
+        outs=(ROWS_NORM if write_output else ABSENT, ROWS if centered else ABSENT, ROWS,
+              _rows_layout(residual)),
         row_ndim=x.ndim - norm_ndim,
         norm_ndim=norm_ndim,
     )
 
 
-def _fwd_abstract(x, scale, bias, **params):
-    layout = _fwd_layout(x, scale, bias, **params)
+def _fwd_abstract(x, scale, bias, residual, **params):
+    layout = _fwd_layout(x, scale, bias, residual, **params)
     stats = _stats_dtype(x.dtype)
-    dtypes = (params["out_dtype"], stats, stats)
+    dtypes = (params["out_dtype"], stats, stats, x.dtype)
     return tuple(_aval(x, layout, kind, dt) for kind, dt in zip(layout.outs, dtypes))
 
 
@@ -302,9 +352,9 @@ def _aval(x, layout, kind, dtype):
 _fwd_on_device = functools.partial(_fwd_local, kernel=row_norm_fwd_kernel_p.bind)
 
 
-def _fwd_lower(x, scale, bias, **params):
-    layout = _fwd_layout(x, scale, bias, **params)
-    return _lower(_fwd_on_device, layout, (x, scale, bias), params)
+def _fwd_lower(x, scale, bias, residual, **params):
+    layout = _fwd_layout(x, scale, bias, residual, **params)
+    return _lower(_fwd_on_device, layout, (x, scale, bias, residual), params)
 
 
 row_norm_fwd_p = define_row_primitive(
@@ -312,13 +362,13 @@ row_norm_fwd_p = define_row_primitive(
     abstract_eval=_fwd_abstract,
     reference=functools.partial(_fwd_local, axes=UNSHARDED, kernel=_fwd_kernel_reference),
     lower=_fwd_lower,
-    row_args=(True, False, False),
-    row_outs=(True, True, True),
+    row_args=(True, False, False, True),
+    row_outs=(True, True, True, True),
 )
 
 # A forward whose output is dead (as under jax.grad, where only the saved
 # statistics reach the backward) only computes the statistics: it reads x once
-# and writes no output.
+# and writes no output (but new_residual, if any).
 register_dce_rewrite(
     row_norm_fwd_p,
     lambda used, params: None if used[0] or not params["write_output"]
@@ -326,18 +376,19 @@ register_dce_rewrite(
 )
 
 
-def _bwd_layout(x, scale, mean, *, norm_ndim, has_bias, **_):
+def _bwd_layout(x, scale, mean, dres, *, norm_ndim, has_bias, **_):
     return RowLayout(
-        ins=(ROWS_NORM, _param_layout(scale), ROWS if mean.size else ABSENT, ROWS, ROWS_NORM),
+        ins=(ROWS_NORM, _param_layout(scale), ROWS if mean.size else ABSENT, ROWS, ROWS_NORM,
+             _rows_layout(dres)),
         outs=(ROWS_NORM, _param_layout(scale), NORM if has_bias else ABSENT),
         row_ndim=x.ndim - norm_ndim,
         norm_ndim=norm_ndim,
     )
 
 
-def _bwd_abstract(x, scale, mean, rstd, dy, **params):
+def _bwd_abstract(x, scale, mean, rstd, dy, dres, **params):
     del rstd, dy
-    layout = _bwd_layout(x, scale, mean, **params)
+    layout = _bwd_layout(x, scale, mean, dres, **params)
     dtypes = (x.dtype, scale.dtype, params["param_dtype"])
     return tuple(_aval(x, layout, kind, dt) for kind, dt in zip(layout.outs, dtypes))
 
@@ -345,9 +396,9 @@ def _bwd_abstract(x, scale, mean, rstd, dy, **params):
 _bwd_on_device = functools.partial(_bwd_local, kernel=row_norm_bwd_kernel_p.bind)
 
 
-def _bwd_lower(x, scale, mean, rstd, dy, **params):
-    layout = _bwd_layout(x, scale, mean, **params)
-    return _lower(_bwd_on_device, layout, (x, scale, mean, rstd, dy), params)
+def _bwd_lower(x, scale, mean, rstd, dy, dres, **params):
+    layout = _bwd_layout(x, scale, mean, dres, **params)
+    return _lower(_bwd_on_device, layout, (x, scale, mean, rstd, dy, dres), params)
 
 
 row_norm_bwd_p = define_row_primitive(
@@ -355,7 +406,7 @@ row_norm_bwd_p = define_row_primitive(
     abstract_eval=_bwd_abstract,
     reference=functools.partial(_bwd_local, axes=UNSHARDED, kernel=_bwd_kernel_reference),
     lower=_bwd_lower,
-    row_args=(True, False, True, True, True),
+    row_args=(True, False, True, True, True, True),
     row_outs=(True, False, False),
 )
 
@@ -366,6 +417,7 @@ row_norm_bwd_p = define_row_primitive(
 class _Config(NamedTuple):
     epsilon: float
     centered: bool
+    zero_centered: bool
     out_dtype: np.dtype    # what the kernel writes: x's dtype or float32
     param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
     has_bias: bool
@@ -377,37 +429,36 @@ def _or_empty(p, dtype):
     return _empty(dtype) if p is None else p
 
 
-def _row_norm_fwd(x, scale, bias, cfg: _Config):
+def _row_norm_fwd(x, scale, bias, residual, cfg: _Config, alias_residual=False):
     scale_, bias_ = _or_empty(scale, cfg.param_dtype), _or_empty(bias, cfg.param_dtype)
+    res_ = _or_empty(residual, x.dtype)
+    params = dict(epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
+                  out_dtype=cfg.out_dtype, write_output=True, norm_ndim=cfg.norm_ndim,
+                  alias_residual=alias_residual)
     if cfg.axis_name:
-        y, mean, rstd = _fwd_local(
-            x, scale_, bias_, axes=_manual_axes(cfg.axis_name), kernel=None,
-            norm_ndim=cfg.norm_ndim, epsilon=cfg.epsilon, centered=cfg.centered,
-            out_dtype=cfg.out_dtype, write_output=True,
-        )
+        y, mean, rstd, h = _fwd_local(x, scale_, bias_, res_, axes=_manual_axes(cfg.axis_name),
+                                      kernel=None, **params)
     else:
-        y, mean, rstd = row_norm_fwd_p.bind(
-            x, scale_, bias_, epsilon=cfg.epsilon, centered=cfg.centered,
-            out_dtype=cfg.out_dtype, write_output=True, norm_ndim=cfg.norm_ndim,
-        )
-    return y, (x, scale, mean, rstd)
+        y, mean, rstd, h = row_norm_fwd_p.bind(x, scale_, bias_, res_, **params)
+    # The backward reads the normalized input: h with a residual, else x.
+    return (y, h), (h if residual is not None else x, scale, mean, rstd)
 
 
-def _row_norm_bwd(cfg: _Config, res, dy):
+def _row_norm_bwd(cfg: _Config, res, cotangents):
     x, scale, mean, rstd = res
+    dy, dh = cotangents
     scale_ = _or_empty(scale, cfg.param_dtype)
+    params = dict(centered=cfg.centered, zero_centered=cfg.zero_centered,
+                  has_bias=cfg.has_bias, param_dtype=cfg.param_dtype, norm_ndim=cfg.norm_ndim)
     if cfg.axis_name:
-        dx, dscale, dbias = _bwd_local(
-            x, scale_, mean, rstd, dy, axes=_manual_axes(cfg.axis_name), kernel=None,
-            norm_ndim=cfg.norm_ndim, centered=cfg.centered, has_bias=cfg.has_bias,
-            param_dtype=cfg.param_dtype,
-        )
+        dx, dscale, dbias = _bwd_local(x, scale_, mean, rstd, dy, dh,
+                                       axes=_manual_axes(cfg.axis_name), kernel=None, **params)
     else:
-        dx, dscale, dbias = row_norm_bwd_p.bind(
-            x, scale_, mean, rstd, dy, centered=cfg.centered, has_bias=cfg.has_bias,
-            param_dtype=cfg.param_dtype, norm_ndim=cfg.norm_ndim,
-        )
-    return dx, None if scale is None else dscale, dbias if cfg.has_bias else None
+        dx, dscale, dbias = row_norm_bwd_p.bind(x, scale_, mean, rstd, dy, dh, **params)
+    # With a residual, x and residual get the same gradient, dh (its shape
+    # (0,) says there is none).
+    return (dx, None if scale is None else dscale, dbias if cfg.has_bias else None,
+            None if _is_placeholder(dh) else dx)
 
 
 def _manual_axes(axis_name) -> ShardAxes:
@@ -417,16 +468,32 @@ def _manual_axes(axis_name) -> ShardAxes:
     return ShardAxes((), axis_name, math.prod(lax.axis_size(a) for a in axis_name))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _row_norm_nd(x, scale, bias, cfg: _Config):
-    return _row_norm_fwd(x, scale, bias, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _row_norm_nd(x, scale, bias, residual, cfg: _Config):
+    """(y, h): h = x + residual (a (0,) placeholder without residual). Not
+    under differentiation (inference, decoding), h is written in residual's
+    buffer: XLA reuses it where residual is donated or dead, else copies it
+    first. Under autodiff residual is usually saved for an earlier backward,
+    so the forward there writes h to a buffer of its own."""
+    return _row_norm_fwd(x, scale, bias, residual, cfg, alias_residual=True)[0]
 
 
 _row_norm_nd.defvjp(_row_norm_fwd, _row_norm_bwd)
 
 
-def _row_norm(op, x, scale, bias, epsilon, normalized_shape, dtype, centered, axis_name):
+def _row_norm(op, x, scale, bias, *, epsilon, normalized_shape, dtype, centered, axis_name,
+              zero_centered=False, residual=None):
+    """The public ops' checks, dtype rules and dispatch. Returns y, or
+    (y, new_residual) when a residual is given."""
     x = _checks.floating_array("x", op, x)
+    if residual is not None:
+        residual = _checks.floating_array("residual", op, residual)
+        _checks.same_shape(op, "residual", residual, "x", x)
+        if residual.dtype != x.dtype:  # not fused: the sum, then the norm
+            h = _add_residual(residual, x)
+            return _row_norm(op, h, scale, bias, epsilon=epsilon,
+                             normalized_shape=normalized_shape, dtype=dtype, centered=centered,
+                             axis_name=axis_name, zero_centered=zero_centered), h
     scale = _checks.parameter(op, "scale", scale)
     bias = _checks.parameter(op, "bias", bias)
     norm_shape = _checks.normalized_shape(
@@ -442,30 +509,35 @@ def _row_norm(op, x, scale, bias, epsilon, normalized_shape, dtype, centered, ax
     if param_dtype not in (x.dtype, f32) or any(p.dtype != param_dtype for p in given):
         param_dtype = f32
     kernel_out = out_dtype if out_dtype in (x.dtype, f32) else f32
-    cfg = _Config(eps, centered, kernel_out, param_dtype, bias is not None, len(norm_shape),
-                  axes)
+    cfg = _Config(eps, centered, bool(zero_centered) and scale is not None, kernel_out,
+                  param_dtype, bias is not None, len(norm_shape), axes)
 
     def cast(p):
         return None if p is None else p.astype(param_dtype)
 
     # Row dims: at least one, so per-row statistics are arrays.
-    xr = x.reshape((1, *x.shape)) if x.ndim == len(norm_shape) else x
-    xr, s, b = match_varying(xr, cast(scale), cast(bias))
+    def with_rows(a):
+        return a.reshape((1, *a.shape)) if a is not None and x.ndim == len(norm_shape) else a
+
+    xr, s, b, r = match_varying(with_rows(x), cast(scale), cast(bias), with_rows(residual))
     if x.size == 0:  # nothing to launch; keeps gradients' shapes and dtypes
-        y = _zero_size_output(xr, s, b, cfg)
+        y, h = _zero_size_output(xr, s, b, r, cfg)
     else:
-        y = _row_norm_nd(xr, s, b, cfg)
-    return y.reshape(x.shape).astype(out_dtype)
+        y, h = _row_norm_nd(xr, s, b, r, cfg)
+    y = y.reshape(x.shape).astype(out_dtype)
+    return y if residual is None else (y, h.reshape(x.shape))
 
 
-def _zero_size_output(x, scale, bias, cfg):
+def _zero_size_output(x, scale, bias, residual, cfg):
     """The forward of an empty x, differentiable (to zero gradients) in jnp."""
     rows_shape, x2 = _flat_rows(x, cfg.norm_ndim)
-    y2 = _fwd_kernel_reference(
+    r2 = _empty(x.dtype) if residual is None else residual.reshape(x2.shape)
+    y2, _, _, h2 = _fwd_kernel_reference(
         x2, _flat(_or_empty(scale, cfg.param_dtype)), _flat(_or_empty(bias, cfg.param_dtype)),
-        epsilon=cfg.epsilon, centered=cfg.centered, out_dtype=cfg.out_dtype, write_output=True,
-    )[0]
-    return y2.reshape(x.shape)
+        r2, epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
+        out_dtype=cfg.out_dtype, write_output=True, alias_residual=False,
+    )
+    return y2.reshape(x.shape), h2.reshape(x.shape) if residual is not None else h2
 
 
 def rms_norm(
@@ -473,6 +545,7 @@ def rms_norm(
     scale: jax.typing.ArrayLike | None = None,
     *,
     epsilon: float = 1e-6,
+    zero_centered_scale: bool = False,
     normalized_shape: Shape | None = None,
     dtype: jax.typing.DTypeLike | None = None,
     axis_name: AxisName | None = None,
@@ -483,6 +556,8 @@ def rms_norm(
       x: array of shape ``(*batch, *normalized_shape)``.
       scale: optional array of shape ``normalized_shape``.
       epsilon: added to the mean square; a static float >= 0.
+      zero_centered_scale: apply the scale as ``(1 + scale)`` (Gemma's
+        convention), computed in float32; gradients are the same as for scale.
       normalized_shape: the trailing dimensions to normalize over, when there
         is no ``scale`` to take them from (default: the last axis).
       dtype: output dtype (default: ``x.dtype``).
@@ -496,8 +571,9 @@ def rms_norm(
       Array of ``x``'s shape and dtype ``dtype``. Statistics are computed in
       float32 (float64 for float64 ``x``).
     """
-    return _row_norm("rms_norm", x, scale, None, epsilon, normalized_shape, dtype, False,
-                     axis_name)
+    return _row_norm("rms_norm", x, scale, None, epsilon=epsilon,
+                     normalized_shape=normalized_shape, dtype=dtype, centered=False,
+                     axis_name=axis_name, zero_centered=zero_centered_scale)
 
 
 def layer_norm(
@@ -506,6 +582,7 @@ def layer_norm(
     bias: jax.typing.ArrayLike | None = None,
     *,
     epsilon: float = 1e-5,
+    zero_centered_scale: bool = False,
     normalized_shape: Shape | None = None,
     dtype: jax.typing.DTypeLike | None = None,
     axis_name: AxisName | None = None,
@@ -519,6 +596,8 @@ def layer_norm(
       scale: optional array of shape ``normalized_shape``.
       bias: optional array of shape ``normalized_shape``.
       epsilon: added to the variance; a static float >= 0.
+      zero_centered_scale: apply the scale as ``(1 + scale)``, computed in
+        float32.
       normalized_shape: the trailing dimensions to normalize over, when there
         is neither ``scale`` nor ``bias`` (default: the last axis).
       dtype: output dtype (default: ``x.dtype``).
@@ -531,5 +610,87 @@ def layer_norm(
     Returns:
       Array of ``x``'s shape and dtype ``dtype``.
     """
-    return _row_norm("layer_norm", x, scale, bias, epsilon, normalized_shape, dtype, True,
-                     axis_name)
+    return _row_norm("layer_norm", x, scale, bias, epsilon=epsilon,
+                     normalized_shape=normalized_shape, dtype=dtype, centered=True,
+                     axis_name=axis_name, zero_centered=zero_centered_scale)
+
+
+_ADD_NOTES = """
+    ``h = x + residual`` is rounded to ``residual``'s dtype, as the unfused
+    sum would be, and then normalized. With ``x`` and ``residual`` of one
+    dtype both steps are one kernel that reads ``x`` and ``residual`` once and
+    writes ``y`` and ``h`` once (other dtype pairs add first, unfused).
+
+    Outside of differentiation (inference, decoding) the kernel works in
+    place: ``h`` is written in ``residual``'s buffer and ``y`` (of ``x``'s
+    dtype) in ``x``'s. Where ``x`` and ``residual`` are intermediates that are
+    dead afterwards (as in a model), or are both donated to jit
+    (``donate_argnums``: jit pairs ``x`` with ``y`` and ``residual`` with
+    ``h``), no memory is copied; otherwise XLA copies an input that is still
+    live first. Under ``jax.grad`` the outputs get buffers of their own, and
+    the backward adds the cotangent of ``h`` to the gradient (``x`` and
+    ``residual`` get the same gradient) in the same kernel.
+"""
+
+
+def add_rms_norm(
+    x: jax.typing.ArrayLike,
+    residual: jax.typing.ArrayLike,
+    scale: jax.typing.ArrayLike | None = None,
+    *,
+    epsilon: float = 1e-6,
+    zero_centered_scale: bool = False,
+    normalized_shape: Shape | None = None,
+    dtype: jax.typing.DTypeLike | None = None,
+    axis_name: AxisName | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Fused residual add and RMSNorm: ``h = x + residual; y = rms_norm(h)``.
+
+    Args:
+      x: array of shape ``(*batch, *normalized_shape)``.
+      residual: array of ``x``'s shape.
+      scale, epsilon, zero_centered_scale, normalized_shape, axis_name: as for
+        `rms_norm`.
+      dtype: dtype of ``y`` (default: ``residual.dtype``).
+
+    Returns:
+      ``(y, h)``, both of ``x``'s shape; ``h`` has ``residual``'s dtype.
+    """
+    return _row_norm("add_rms_norm", x, scale, None, epsilon=epsilon,
+                     normalized_shape=normalized_shape, dtype=dtype, centered=False,
+                     axis_name=axis_name, zero_centered=zero_centered_scale,
+                     residual=residual)
+
+
+def add_layer_norm(
+    x: jax.typing.ArrayLike,
+    residual: jax.typing.ArrayLike,
+    scale: jax.typing.ArrayLike | None = None,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    epsilon: float = 1e-5,
+    zero_centered_scale: bool = False,
+    normalized_shape: Shape | None = None,
+    dtype: jax.typing.DTypeLike | None = None,
+    axis_name: AxisName | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Fused residual add and LayerNorm: ``h = x + residual; y = layer_norm(h)``.
+
+    Args:
+      x: array of shape ``(*batch, *normalized_shape)``.
+      residual: array of ``x``'s shape.
+      scale, bias, epsilon, zero_centered_scale, normalized_shape, axis_name:
+        as for `layer_norm`.
+      dtype: dtype of ``y`` (default: ``residual.dtype``).
+
+    Returns:
+      ``(y, h)``, both of ``x``'s shape; ``h`` has ``residual``'s dtype.
+    """
+    return _row_norm("add_layer_norm", x, scale, bias, epsilon=epsilon,
+                     normalized_shape=normalized_shape, dtype=dtype, centered=True,
+                     axis_name=axis_name, zero_centered=zero_centered_scale,
+                     residual=residual)
+
+
+add_rms_norm.__doc__ += _ADD_NOTES
+add_layer_norm.__doc__ += _ADD_NOTES

@@ -21,6 +21,14 @@ def mesh_shapes(n: int) -> list[tuple[int, ...]]:
     return list(dict.fromkeys([(n,), (1, n), (n, 1)]))
 
 
+def needs_devices(n: int):
+    """Skips a test on a machine with fewer than n devices (a single GPU); the
+    CPU test run has 8."""
+    import pytest
+
+    return pytest.mark.skipif(len(jax.devices()) < n, reason=f"needs {n} devices")
+
+
 def make_mesh(shape: tuple[int, ...]) -> Mesh:
     devices = np.array(jax.devices()[: math.prod(shape)]).reshape(shape)
     return Mesh(devices, MESH_AXES[len(shape)])

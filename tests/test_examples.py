@@ -23,3 +23,17 @@ def test_sharded_training_loss_falls():
     assert "mesh {'data': 4, 'model': 2}" in out.stdout, out.stdout
     losses = [float(v) for v in re.findall(r"loss (\S+)", out.stdout)]
     assert len(losses) >= 2 and losses[-1] < 0.5 * losses[0], out.stdout
+
+
+def test_llama_trains_and_decodes():
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "llama_train.py"), "--steps", "40"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(v) for v in re.findall(r"loss (\S+)", out.stdout)]
+    assert len(losses) >= 2 and losses[-1] < 0.2 * losses[0], out.stdout
+    assert "(100% of steps follow the rule)" in out.stdout, out.stdout

@@ -219,6 +219,25 @@ def test_every_plan(op, shape, x_dtype, p_dtype):
 
 
 @pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape", [(24, 96), (1100, 1024), (40, 1024)], ids=str)
+def test_float32_output_of_bf16_x(op, shape):
+    """dtype=float32 for bfloat16 x (Flax's default with float32 parameters):
+    the backward then gets a float32 dy, wider than x."""
+    x = rand(33, shape, jnp.bfloat16, offset=0.5)
+    scale, bias = params(op, 33, shape[-1:], jnp.float32)
+    check_values(op, x, scale, bias, out_dtype=jnp.float32, dtype=jnp.float32)
+    _, centered, eps = OPS[op]
+    dy = rand(34, shape, jnp.float32)
+    _, pullback = jax.vjp(lambda *a: call(op, *a, dtype=jnp.float32), x, scale, bias)
+    got = jax.jit(pullback)(dy)
+    want = vjp64(x, scale, bias, dy, eps, centered, 1)
+    for g, w, arg in zip(got, want, (x, scale, bias)):
+        if w is not None:
+            assert g.dtype == arg.dtype
+            assert_close(g, w, jnp.bfloat16, scale=float(np.sqrt(shape[0])))
+
+
+@pytest.mark.parametrize("op", OPS)
 def test_vmap_over_axes(op):
     x = rand(31, (3, 4, 64), jnp.float32)
     scale, bias = params(op, 31, (64,), jnp.float32)
@@ -393,33 +412,44 @@ def _ffi(target, outs, *args, **attrs):
         ("scale_len", r"scale has shape \(5,\), expected \(8,\)"),
         ("x_rank", "x must have rank 2"),
         ("x_int", "x has dtype"),
+        ("residual_shape", r"residual has shape \(4, 7\), expected \(4, 8\)"),
+        ("residual_dtype", "residual has dtype bfloat16, expected float32"),
+        ("new_residual_missing", "new_residual must be present exactly when residual is"),
         ("bwd_dx", r"dx has shape \(4, 7\), expected \(4, 8\)"),
+        ("bwd_dres", r"dres has shape \(3, 8\), expected \(4, 8\)"),
     ],
 )
 def test_handlers_reject_inconsistent_buffers(case, match):
     sd = jax.ShapeDtypeStruct
     f32 = jnp.float32
     x, e = jnp.ones((4, 8), f32), jnp.zeros((0,), f32)
-    attrs = dict(epsilon=np.float64(1e-5), centered=np.bool_(False))
-    if case == "rstd_rows":
-        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((3,), f32)),  # noqa: E731
-                            x, e, e, **attrs)
-    elif case == "scale_len":
-        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
-                            x, jnp.ones((5,), f32), e, **attrs)
-    elif case == "x_rank":
-        call = lambda: _ffi("row_norm_fwd", (sd((32,), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
-                            x.reshape(32), e, e, **attrs)
-    elif case == "x_int":
-        xi = jnp.ones((4, 8), jnp.int32)
-        call = lambda: _ffi("row_norm_fwd", (sd((4, 8), f32), sd((0,), f32), sd((4,), f32)),  # noqa: E731
-                            xi, e, e, **attrs)
-    else:
-        call = lambda: _ffi(  # noqa: E731
-            "row_norm_bwd", (sd((4, 7), f32), sd((0,), f32), sd((0,), f32)),
-            x, e, e, jnp.ones((4,), f32), x, centered=np.bool_(False))
+    fwd_args = dict(x=x, scale=e, bias=e, residual=e)
+    fwd_outs = dict(y=sd((4, 8), f32), mean=sd((0,), f32), rstd=sd((4,), f32),
+                    new_residual=sd((0,), f32))
+    bwd_args = dict(x=x, scale=e, mean=e, rstd=jnp.ones((4,), f32), dy=x, dres=e)
+    bwd_outs = dict(dx=sd((4, 8), f32), dscale=sd((0,), f32), dbias=sd((0,), f32))
+    changes = {
+        "rstd_rows": dict(rstd=sd((3,), f32)),
+        "scale_len": dict(scale=jnp.ones((5,), f32)),
+        "x_rank": dict(x=x.reshape(32), y=sd((32,), f32)),
+        "x_int": dict(x=jnp.ones((4, 8), jnp.int32)),
+        "residual_shape": dict(residual=jnp.ones((4, 7), f32), new_residual=sd((4, 7), f32)),
+        "residual_dtype": dict(residual=jnp.ones((4, 8), jnp.bfloat16),
+                               new_residual=sd((4, 8), jnp.bfloat16)),
+        "new_residual_missing": dict(residual=x),
+        "bwd_dx": dict(dx=sd((4, 7), f32)),
+        "bwd_dres": dict(dres=jnp.ones((3, 8), f32)),
+    }[case]
+    bwd = case.startswith("bwd")
+    args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
+    args = {k: changes.get(k, v) for k, v in args.items()}
+    outs = tuple(changes.get(k, v) for k, v in outs.items())
+    attrs = dict(centered=np.bool_(False), zero_centered=np.bool_(False))
+    if not bwd:
+        attrs["epsilon"] = np.float64(1e-5)
+    target = "row_norm_bwd" if bwd else "row_norm_fwd"
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(jax.jit(call)())
+        jax.block_until_ready(jax.jit(lambda: _ffi(target, outs, *args.values(), **attrs))())
 
 
 # ------------------------------------------------ reference lowering
@@ -433,14 +463,16 @@ def test_reference_implementation(centered):
     x = rand(91, (6, 50), jnp.float32)
     scale = rand(92, (50,), jnp.float32, 1.0)
     bias = rand(93, (50,), jnp.float32) if centered else jnp.zeros((0,), jnp.float32)
-    y, mean, rstd = row_norm._fwd_kernel_reference(
-        x, scale, bias, epsilon=1e-5, centered=centered, out_dtype=jnp.float32, write_output=True
+    y, mean, rstd, _ = row_norm._fwd_kernel_reference(
+        x, scale, bias, jnp.zeros((0,), jnp.float32), epsilon=1e-5, centered=centered,
+        zero_centered=False, out_dtype=jnp.float32, write_output=True, alias_residual=False,
     )
     b = bias if centered else None
     assert_close(y, norm_np(x, scale, b, 1e-5, centered, 1), jnp.float32)
     dy = rand(94, (6, 50), jnp.float32)
     dx, ds, db = row_norm._bwd_kernel_reference(
-        x, scale, mean, rstd, dy, centered=centered, has_bias=centered, param_dtype=jnp.float32
+        x, scale, mean, rstd, dy, jnp.zeros((0,), jnp.float32), centered=centered,
+        zero_centered=False, has_bias=centered, param_dtype=jnp.float32,
     )
     want = vjp64(x, scale, b, dy, 1e-5, centered, 1)
     assert_close(dx, want[0], jnp.float32)

@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
     const FewBwdPlan few = plan_bwd_few<bf16, VEC>(c.rows, H, info);
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
     const RowPlan bwd_plan =
-        plan_bwd_rows<bf16, bf16, VEC>(c.rows, H, true, regions, info);
+        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, true, regions, info);
     for (int nv : {4, 8, 16}) {
       if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
      for (int one_row : {0, 1}) {
@@ -265,7 +265,7 @@ int main(int argc, char** argv) {
         return !few_serves && q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
       };
       for (bool write_y : {true, false}) {
-        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, sms) > 0);
+        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, false, sms) > 0);
         FwdArgs a = fa;
         a.write_y = write_y;
         float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
@@ -275,7 +275,7 @@ int main(int argc, char** argv) {
                     long(p.groups), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
       }
       CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, fa));
-      if (bwd_smem_bytes<bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
+      if (bwd_smem_bytes<bf16, bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
       if (nv > kMaxBwdNv) continue;
       const char* mark = mark_of(bwd_plan, few.blocks > 0);
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
@@ -308,7 +308,7 @@ int main(int argc, char** argv) {
         with_row_vecs(fixed ? nvec : 0, [&](auto vecs) {
           constexpr int V = NV == kFewNv ? decltype(vecs)::value : 0;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S, V>;
-          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, sms) == NV;
+          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, false, sms) == NV;
           if (planned && NV == kFewNv) planned = fixed == has_fixed;
           if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
             planned = kEarly && S == (split_rows(c.rows, sms, kC) ? 2 : 1);

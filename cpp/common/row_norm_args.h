@@ -2,10 +2,16 @@
 // LayerNorm when true), shared by the CPU and CUDA handlers so both reject the
 // same inconsistent buffers with the same messages.
 //
-//   row_norm_fwd(x[R,H], scale[H|0], bias[H|0])
-//       -> y[R,H] (or [R,0]: statistics only), mean[R|0], rstd[R]
-//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R], dy[R,H])
+//   row_norm_fwd(x[R,H], scale[H|0], bias[H|0], residual[R,H|0])
+//       -> y[R,H] (or [R,0]: statistics only), mean[R|0], rstd[R],
+//          new_residual[R,H|0]
+//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R], dy[R,H], dres[R,H|0])
 //       -> dx[R,H], dscale[H|0], dbias[H|0]
+//
+// With a residual the forward normalizes h = x + residual (rounded to x's
+// dtype) and writes h to new_residual, which may alias residual; the backward
+// then takes h as x and adds dres, the cotangent of new_residual, to dx.
+// zero_centered: the scale is applied as (1 + scale).
 #pragma once
 
 #include <cmath>
@@ -19,6 +25,7 @@ struct RowNormShape {
   int64_t hidden = 0;
   bool has_scale = false;
   bool has_bias = false;
+  bool has_residual = false;  // forward: residual; backward: dres
 };
 
 inline ffi::Error check_rows(const AnyBuffer& x, RowNormShape* s) {
@@ -63,14 +70,35 @@ inline DataType param_dtype(const AnyBuffer& x, const AnyBuffer& scale,
   return x.element_type();
 }
 
+// An optional (rows, hidden) operand of x's dtype, absent as a (0,) buffer.
+inline ffi::Error check_optional_rows(const AnyBuffer& x, const AnyBuffer& buf,
+                                      const char* what, const RowNormShape& s,
+                                      bool* present) {
+  auto dims = buf.dimensions();
+  *present = !(dims.size() == 1 && dims[0] == 0);
+  if (!*present) return ffi::Error::Success();
+  JAXNORM_RETURN_IF_ERROR(expect_dims(buf, what, {s.rows, s.hidden}));
+  return expect_dtype(buf, what, x.element_type());
+}
+
 inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
-                                     const AnyBuffer& bias, const AnyBuffer& y,
-                                     const AnyBuffer& mean,
-                                     const AnyBuffer& rstd, double epsilon,
+                                     const AnyBuffer& bias,
+                                     const AnyBuffer& residual, const AnyBuffer& y,
+                                     const AnyBuffer& mean, const AnyBuffer& rstd,
+                                     const AnyBuffer& new_residual, double epsilon,
                                      bool centered, RowNormShape* s,
                                      bool* write_y) {
   JAXNORM_RETURN_IF_ERROR(check_rows(x, s));
   JAXNORM_RETURN_IF_ERROR(check_params(scale, bias, s));
+  JAXNORM_RETURN_IF_ERROR(
+      check_optional_rows(x, residual, "residual", *s, &s->has_residual));
+  bool has_new = false;
+  JAXNORM_RETURN_IF_ERROR(
+      check_optional_rows(x, new_residual, "new_residual", *s, &has_new));
+  if (has_new != s->has_residual) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: new_residual must be present exactly when residual is");
+  }
   auto ydims = y.dimensions();
   *write_y = !(ydims.size() == 2 && ydims[0] == s->rows && ydims[1] == 0) ||
              s->hidden == 0;
@@ -87,7 +115,7 @@ inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
 inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
                                      const AnyBuffer& mean,
                                      const AnyBuffer& rstd, const AnyBuffer& dy,
-                                     const AnyBuffer& dx,
+                                     const AnyBuffer& dres, const AnyBuffer& dx,
                                      const AnyBuffer& dscale,
                                      const AnyBuffer& dbias, bool centered,
                                      RowNormShape* s) {
@@ -107,6 +135,7 @@ inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
   }
   JAXNORM_RETURN_IF_ERROR(check_stats(x, mean, rstd, centered, *s));
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->rows, s->hidden}));
+  JAXNORM_RETURN_IF_ERROR(check_optional_rows(x, dres, "dres", *s, &s->has_residual));
   JAXNORM_RETURN_IF_ERROR(expect_dims(dx, "dx", {s->rows, s->hidden}));
   return expect_dtype(dx, "dx", x.element_type());
 }
@@ -118,11 +147,14 @@ auto bind_row_norm_fwd(B binding) {
   return std::move(binding).template Arg<AnyBuffer>()  // x
       .template Arg<AnyBuffer>()            // scale
       .template Arg<AnyBuffer>()            // bias
+      .template Arg<AnyBuffer>()            // residual
       .template Ret<AnyBuffer>()            // y
       .template Ret<AnyBuffer>()            // mean
       .template Ret<AnyBuffer>()            // rstd
+      .template Ret<AnyBuffer>()            // new_residual
       .template Attr<double>("epsilon")
-      .template Attr<bool>("centered");
+      .template Attr<bool>("centered")
+      .template Attr<bool>("zero_centered");
 }
 
 template <typename B>
@@ -132,10 +164,12 @@ auto bind_row_norm_bwd(B binding) {
       .template Arg<AnyBuffer>()            // mean
       .template Arg<AnyBuffer>()            // rstd
       .template Arg<AnyBuffer>()            // dy
+      .template Arg<AnyBuffer>()            // dres
       .template Ret<AnyBuffer>()            // dx
       .template Ret<AnyBuffer>()            // dscale
       .template Ret<AnyBuffer>()            // dbias
-      .template Attr<bool>("centered");
+      .template Attr<bool>("centered")
+      .template Attr<bool>("zero_centered");
 }
 
 }  // namespace jaxnorm

@@ -1,6 +1,7 @@
 // CPU handlers for the row norms: RMSNorm (centered = false) and LayerNorm
-// (centered = true). One row at a time, accumulating in float (double for
-// float64 inputs), exact two-pass statistics.
+// (centered = true), with the optional fused residual add and zero-centered
+// scale (row_norm_args.h). One row at a time, accumulating in float (double
+// for float64 inputs), exact two-pass statistics.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -41,15 +42,31 @@ void row_stats(const X* x, int64_t hidden, bool centered, double epsilon,
   *rstd = A(1) / std::sqrt(ss / A(hidden) + A(epsilon));
 }
 
+// The row the norm reads: x's, or h = x + residual rounded to X, written to
+// new_residual first. Each element of residual is read before the same
+// element of new_residual is written, so the two may alias.
+template <typename X>
+const X* input_row(const RowNormShape& s, int64_t r, const X* x, const X* residual,
+                   X* new_residual) {
+  using A = acc_t<X>;
+  const int64_t base = r * s.hidden;
+  if (!s.has_residual) return x + base;
+  for (int64_t j = 0; j < s.hidden; ++j) {
+    store(new_residual, base + j, load<A>(x, base + j) + load<A>(residual, base + j));
+  }
+  return new_residual + base;
+}
+
 template <typename X, typename Y, typename W>
-void fwd(const RowNormShape& s, bool centered, double epsilon, bool write_y,
-         const X* x, const W* scale, const W* bias, Y* y, void* mean_out,
-         void* rstd_out) {
+void fwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centered,
+         bool write_y, const X* x, const W* scale, const W* bias,
+         const X* residual, Y* y, void* mean_out, void* rstd_out, X* new_residual) {
   using A = acc_t<X>;
   auto* mean_p = static_cast<A*>(mean_out);
   auto* rstd_p = static_cast<A*>(rstd_out);
+  const A offset = zero_centered ? A(1) : A(0);
   for (int64_t r = 0; r < s.rows; ++r) {
-    const X* xr = x + r * s.hidden;
+    const X* xr = input_row(s, r, x, residual, new_residual);
     A mean, rstd;
     row_stats(xr, s.hidden, centered, epsilon, &mean, &rstd);
     if (centered) mean_p[r] = mean;
@@ -57,20 +74,22 @@ void fwd(const RowNormShape& s, bool centered, double epsilon, bool write_y,
     if (!write_y) continue;
     for (int64_t j = 0; j < s.hidden; ++j) {
       A v = (load<A>(xr, j) - mean) * rstd;
-      if (s.has_scale) v *= load<A>(scale, j);
+      if (s.has_scale) v *= load<A>(scale, j) + offset;
       if (s.has_bias) v += load<A>(bias, j);
       store(y, r * s.hidden + j, v);
     }
   }
 }
 
-// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * scale, with the
-// mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat, dbias = sum dy.
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres], g = dy * scale,
+// with the mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat,
+// dbias = sum dy.
 template <typename X, typename G, typename W>
-void bwd(const RowNormShape& s, bool centered, const X* x, const W* scale,
-         const void* mean_in, const void* rstd_in, const G* dy, X* dx,
-         W* dscale, W* dbias) {
+void bwd(const RowNormShape& s, bool centered, bool zero_centered, const X* x,
+         const W* scale, const void* mean_in, const void* rstd_in, const G* dy,
+         const X* dres, X* dx, W* dscale, W* dbias) {
   using A = acc_t<X>;
+  const A offset = zero_centered ? A(1) : A(0);
   auto* mean_p = static_cast<const A*>(mean_in);
   auto* rstd_p = static_cast<const A*>(rstd_in);
   std::vector<A> dscale_acc(s.has_scale ? s.hidden : 0, A(0));
@@ -83,7 +102,7 @@ void bwd(const RowNormShape& s, bool centered, const X* x, const W* scale,
     for (int64_t j = 0; j < s.hidden; ++j) {
       A d = load<A>(dy, base + j);
       xhat[j] = (load<A>(x, base + j) - mean) * rstd;
-      g[j] = s.has_scale ? d * load<A>(scale, j) : d;
+      g[j] = s.has_scale ? d * (load<A>(scale, j) + offset) : d;
       if (s.has_scale) dscale_acc[j] += d * xhat[j];
       if (s.has_bias) dbias_acc[j] += d;
     }
@@ -92,7 +111,9 @@ void bwd(const RowNormShape& s, bool centered, const X* x, const W* scale,
     A c_g = centered ? sum_g / A(s.hidden) : A(0);
     A c_gx = sum_gx / A(s.hidden);
     for (int64_t j = 0; j < s.hidden; ++j) {
-      store(dx, base + j, rstd * (g[j] - c_g - xhat[j] * c_gx));
+      A v = rstd * (g[j] - c_g - xhat[j] * c_gx);
+      if (s.has_residual) v += load<A>(dres, base + j);
+      store(dx, base + j, v);
     }
   }
   for (int64_t j = 0; j < (s.has_scale ? s.hidden : 0); ++j) {
@@ -104,14 +125,16 @@ void bwd(const RowNormShape& s, bool centered, const X* x, const W* scale,
 }
 
 ffi::Error row_norm_fwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias,
-                             ffi::Result<AnyBuffer> y,
+                             AnyBuffer residual, ffi::Result<AnyBuffer> y,
                              ffi::Result<AnyBuffer> mean,
-                             ffi::Result<AnyBuffer> rstd, double epsilon,
-                             bool centered) {
+                             ffi::Result<AnyBuffer> rstd,
+                             ffi::Result<AnyBuffer> new_residual, double epsilon,
+                             bool centered, bool zero_centered) {
   RowNormShape s;
   bool write_y = true;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_fwd(x, scale, bias, *y, *mean, *rstd,
-                                             epsilon, centered, &s, &write_y));
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_fwd(x, scale, bias, residual, *y, *mean,
+                                             *rstd, *new_residual, epsilon,
+                                             centered, &s, &write_y));
   DataType ydt = write_y ? y->element_type() : x.element_type();
   return dispatch_row_types(
       x.element_type(), ydt, param_dtype(x, scale, bias, s),
@@ -119,23 +142,26 @@ ffi::Error row_norm_fwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias,
         using X = native_t<decltype(xt)>;
         using Y = native_t<decltype(yt)>;
         using W = native_t<decltype(wt)>;
-        fwd<X, Y, W>(s, centered, epsilon, write_y,
+        fwd<X, Y, W>(s, centered, epsilon, zero_centered, write_y,
                      static_cast<const X*>(x.untyped_data()),
                      static_cast<const W*>(scale.untyped_data()),
                      static_cast<const W*>(bias.untyped_data()),
+                     static_cast<const X*>(residual.untyped_data()),
                      static_cast<Y*>(y->untyped_data()), mean->untyped_data(),
-                     rstd->untyped_data());
+                     rstd->untyped_data(),
+                     static_cast<X*>(new_residual->untyped_data()));
         return ffi::Error::Success();
       });
 }
 
 ffi::Error row_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer mean,
-                             AnyBuffer rstd, AnyBuffer dy,
+                             AnyBuffer rstd, AnyBuffer dy, AnyBuffer dres,
                              ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
-                             ffi::Result<AnyBuffer> dbias, bool centered) {
+                             ffi::Result<AnyBuffer> dbias, bool centered,
+                             bool zero_centered) {
   RowNormShape s;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, *dx,
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
                                              *dscale, *dbias, centered, &s));
   return dispatch_row_types(
       x.element_type(), dy.element_type(), param_dtype(x, scale, *dbias, s),
@@ -143,10 +169,12 @@ ffi::Error row_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer mean,
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        bwd<X, G, W>(s, centered, static_cast<const X*>(x.untyped_data()),
+        bwd<X, G, W>(s, centered, zero_centered,
+                     static_cast<const X*>(x.untyped_data()),
                      static_cast<const W*>(scale.untyped_data()),
                      mean.untyped_data(), rstd.untyped_data(),
                      static_cast<const G*>(dy.untyped_data()),
+                     static_cast<const X*>(dres.untyped_data()),
                      static_cast<X*>(dx->untyped_data()),
                      static_cast<W*>(dscale->untyped_data()),
                      static_cast<W*>(dbias->untyped_data()));

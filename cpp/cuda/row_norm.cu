@@ -11,7 +11,7 @@ namespace {
 template <typename X, typename Y, typename W, int VEC>
 ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
   if constexpr (VEC > 1) {
-    if (const int nv = block_fwd_nv(a.rows, a.hidden / VEC, a.write_y, dev.sms)) {
+    if (const int nv = block_fwd_nv(a.rows, a.hidden / VEC, a.write_y, a.residual != nullptr, dev.sms)) {
       return cuda_error(launch_fwd_block<X, Y, W, VEC>(stream, dev, nv, a), "row_norm_fwd");
     }
   }
@@ -45,7 +45,7 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
     }
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
-  RowPlan p = plan_bwd_rows<X, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
+  RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
   return cuda_error(launch_bwd<X, G, W, VEC>(stream, l, a), "row_norm_bwd");
@@ -64,20 +64,27 @@ ffi::Error with_vec(int64_t hidden, std::initializer_list<const void*> ptrs,
 }
 
 ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
-                             AnyBuffer scale, AnyBuffer bias,
+                             AnyBuffer scale, AnyBuffer bias, AnyBuffer residual,
                              ffi::Result<AnyBuffer> y,
                              ffi::Result<AnyBuffer> mean,
-                             ffi::Result<AnyBuffer> rstd, double epsilon,
-                             bool centered) {
+                             ffi::Result<AnyBuffer> rstd,
+                             ffi::Result<AnyBuffer> new_residual, double epsilon,
+                             bool centered, bool zero_centered) {
   RowNormShape s;
   bool write_y = true;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_fwd(x, scale, bias, *y, *mean, *rstd,
-                                             epsilon, centered, &s, &write_y));
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_fwd(x, scale, bias, residual, *y, *mean,
+                                             *rstd, *new_residual, epsilon,
+                                             centered, &s, &write_y));
   if (s.rows == 0 || s.hidden == 0) return ffi::Error::Success();
   FwdArgs a{x.untyped_data(), scale.untyped_data(), bias.untyped_data(),
             y->untyped_data(), mean->untyped_data(), rstd->untyped_data(),
             s.rows, s.hidden, 0, 0, epsilon, centered, s.has_scale, s.has_bias,
             write_y, false};
+  if (s.has_residual) {
+    a.residual = residual.untyped_data();
+    a.new_residual = new_residual->untyped_data();
+  }
+  a.scale_offset = zero_centered ? 1.0f : 0.0f;
   const DeviceInfo& dev = device_info(device);
   DataType ydt = write_y ? y->element_type() : x.element_type();
   return dispatch_row_types(
@@ -86,7 +93,8 @@ ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
         using X = native_t<decltype(xt)>;
         using Y = native_t<decltype(yt)>;
         using W = native_t<decltype(wt)>;
-        return with_vec<X>(s.hidden, {a.x, a.y, a.scale, a.bias}, [&](auto v) {
+        return with_vec<X>(s.hidden, {a.x, a.y, a.scale, a.bias, a.residual, a.new_residual},
+                           [&](auto v) {
           return launch_fwd_vec<X, Y, W, decltype(v)::value>(stream, dev, a);
         });
       });
@@ -95,11 +103,13 @@ ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
 ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, AnyBuffer x,
                              AnyBuffer scale, AnyBuffer mean, AnyBuffer rstd,
-                             AnyBuffer dy, ffi::Result<AnyBuffer> dx,
+                             AnyBuffer dy, AnyBuffer dres,
+                             ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
-                             ffi::Result<AnyBuffer> dbias, bool centered) {
+                             ffi::Result<AnyBuffer> dbias, bool centered,
+                             bool zero_centered) {
   RowNormShape s;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, *dx,
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
                                              *dscale, *dbias, centered, &s));
   if (s.hidden == 0) return ffi::Error::Success();
   if (s.rows == 0) {  // empty batch: parameter gradients are zero
@@ -116,6 +126,8 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
             rstd.untyped_data(), dy.untyped_data(), dx->untyped_data(),
             nullptr, dscale->untyped_data(), dbias->untyped_data(),
             s.rows, s.hidden, 0, 0, centered, s.has_scale, s.has_bias, false};
+  if (s.has_residual) a.dres = dres.untyped_data();
+  a.scale_offset = zero_centered ? 1.0f : 0.0f;
   const DeviceInfo& dev = device_info(device);
   return dispatch_row_types(
       x.element_type(), dy.element_type(), param_dtype(x, scale, *dbias, s),
@@ -123,7 +135,7 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        return with_vec<X>(s.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias},
+        return with_vec<X>(s.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres},
                            [&](auto v) {
                              return launch_bwd_vec<X, G, W, decltype(v)::value>(
                                  stream, dev, scratch, a);

@@ -187,6 +187,10 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
+  if (a.residual) {
+    add_residual(xv, a, row * hidden, [&](int i) { return span.in(i); },
+                 [&](int i) { return span.at(i); });
+  }
   if constexpr (kHold) {
     if (use_w) load_row(wv, scale, span);
     if (use_b) load_row(bv, bias, span);
@@ -221,8 +225,10 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
       if constexpr (kHold) {
         unpack(w, wv[i]);
         unpack(b, bv[i]);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) w[e] += A(a.scale_offset);
       } else {
-        if (use_w) load_vec(w, scale + c * VEC);
+        if (use_w) load_scale(w, scale + c * VEC, a.scale_offset);
         if (use_b) load_vec(b, bias + c * VEC);
       }
       normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
@@ -235,14 +241,15 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
 // Otherwise 4 with y written, 8 for statistics only, when a row fills at
 // least a warp (two warps for statistics): on shorter rows the generic
 // kernels' several rows a block are faster. Measured on an H200
-// (benchmarks/NOTES.md, v6). A block is at least a warp.
-inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, int sms) {
+// (benchmarks/NOTES.md, v6). A block is at least a warp. The fused residual
+// add holds more registers: 4 for statistics only too.
+inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, int sms) {
   if (rows > (int64_t(1) << 30)) return 0;
   const int few_tpr = threads_per_row(nvec, kFewNv);
   if (rows <= 4 * int64_t(sms) && few_tpr >= 32 && few_tpr <= kBlockThreads) return kFewNv;
-  const int nv = write_y ? 4 : 8;
+  const int nv = write_y || residual ? 4 : 8;
   const int tpr = threads_per_row(nvec, nv);
-  return tpr >= (write_y ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
+  return tpr >= (nv == 4 ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
 }
 
 // Whether the decode forward gives each row two blocks: for LayerNorm where
@@ -291,7 +298,8 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
     if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
-      if (nv != kFewNv) return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>);
+      if (nv == 8) return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>);
+      if (nv == 4) return launch(fwd_block<X, X, X, VEC, 4, kC, false, false>);
       return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
         return launch(fwd_block<X, X, X, VEC, kFewNv, kC, false, false, 1, V>);
@@ -300,7 +308,8 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     if (nv == kFewNv) {
       return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
-        if (split_rows(a.rows, dev.sms, kC)) {
+        // Blocks that share a row would race on new_residual when it aliases residual.
+        if (split_rows(a.rows, dev.sms, kC) && !a.residual) {
           return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 2, V>, 2);
         }
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
@@ -340,7 +349,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
   auto g = [&](int k) {
     const A d = element(gv, k);
-    return a.has_scale ? d * element(wv, k) : d;
+    return a.has_scale ? d * (element(wv, k) + A(a.scale_offset)) : d;
   };
   auto xhat = [&](int k) { return (element(xv, k) - mean) * rstd; };
   A s[K];  // rstd taken out of the sum: one multiply less an element
@@ -365,6 +374,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
       xh[e] = xhat(i * VEC + e);
       o[e] = rstd * (g(i * VEC + e) - c_g - xh[e] * c_gx);
     }
+    add_dres<VEC, A, X>(o, a, row * hidden + c * VEC);
     store_vec(dxr + c * VEC, o);
     if (a.has_bias) store_vec(static_cast<W*>(a.dbias) + c * VEC, d);
     if (a.has_scale) {
@@ -421,7 +431,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
   A w[VEC], dw[VEC] = {}, db[VEC] = {};
 #pragma unroll
   for (int e = 0; e < VEC; ++e) w[e] = A(1);
-  if (a.has_scale && in) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+  if (a.has_scale && in) load_scale(w, static_cast<const W*>(a.scale) + c * VEC, a.scale_offset);
 #pragma unroll 4
   for (int64_t row = slot; in && row < a.rows; row += kColRows) {
     const int64_t at = row * a.hidden + c * VEC;
@@ -440,6 +450,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
       dw[e] += d * xh;
       if constexpr (kCentered) db[e] += d;
     }
+    add_dres<VEC, A, X>(o, a, at);
     store_vec(static_cast<X*>(a.dx) + at, o);
   }
   // Over the warp's row slots (lane bits 2-4), each lane keeping the half of

@@ -46,6 +46,11 @@ struct FwdArgs {
   double epsilon;
   bool centered, has_scale, has_bias, write_y;
   bool stage_params;  // scale/bias staged in shared memory
+  // The fused residual add (row_norm_args.h): nullptr without one.
+  // new_residual may alias residual.
+  const void* residual = nullptr;
+  void* new_residual = nullptr;
+  float scale_offset = 0;  // 1 with zero-centered scale: y = xhat * (1 + scale)
 };
 
 struct BwdArgs {
@@ -63,6 +68,8 @@ struct BwdArgs {
   int tpr, rows_per_block;
   bool centered, has_scale, has_bias;
   bool stage_params;  // scale staged in shared memory, after the accumulators
+  const void* dres = nullptr;  // added to dx: the cotangent of new_residual
+  float scale_offset = 0;
 };
 
 // How a launch covers the rows. nv = 0 means the long path.
@@ -187,6 +194,48 @@ __device__ __forceinline__ RegVec<T, VEC> load_or_zero(const T* row, int64_t c,
   return v;
 }
 
+// VEC elements of scale (as the kernels apply it: 1 + scale when
+// zero-centered) at p.
+template <int VEC, typename A, typename W>
+__device__ __forceinline__ void load_scale(A (&w)[VEC], const W* p, float offset) {
+  load_vec(w, p);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) w[e] += A(offset);
+}
+
+// The fused residual add of vectors in(i) of a thread's NV: x[i] becomes
+// h = x + residual, rounded to X as the unfused sum would be, and is written
+// to new_residual. at(i) is vector i's index in the row. A thread reads each
+// element of residual before it writes the same element of new_residual, and
+// no other thread touches it, so the two may alias.
+template <int VEC, int NV, typename X, typename In, typename At>
+__device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
+                                             int64_t row_start, In&& in, At&& at) {
+  const X* res = static_cast<const X*>(a.residual) + row_start;
+  X* out = static_cast<X*>(a.new_residual) + row_start;
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    if (!in(i)) continue;
+    RegVec<X, VEC> r;
+    r.load(res + int64_t(at(i)) * VEC);
+    acc_t<X> h[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) h[e] = xv[i].get(e) + r.get(e);
+    xv[i].pack(h);
+    xv[i].store_global(out + int64_t(at(i)) * VEC);
+  }
+}
+
+// o += dres at p (the backward of the fused residual add), when there is one.
+template <int VEC, typename A, typename X>
+__device__ __forceinline__ void add_dres(A (&o)[VEC], const BwdArgs& a, int64_t at) {
+  if (a.dres == nullptr) return;
+  A r[VEC];
+  load_vec(r, static_cast<const X*>(a.dres) + at);
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) o[e] += r[e];
+}
+
 // Starts copying scale and bias into shared memory, 16 bytes at a time, and
 // points `scale` and `bias` at the copies. They complete with the thread's next
 // cp.async group.
@@ -221,12 +270,13 @@ size_t staged_param_bytes(int64_t hidden, int params) {
 // reads only its own vectors (vector i of thread t of tensor k in stage s at
 // ((s * kTensors + k) * NV + i) * blockDim + t: a warp reads 512 consecutive
 // bytes), so a stage needs no barrier. The element-wise path (VEC = 1) loads
-// straight into registers.
-template <int VEC, int NV, int kTensors>
+// straight into registers, as does kUnstaged (a tensor wider than x, whose VEC
+// elements exceed a slot's 16 bytes: a float32 dy with bfloat16 x).
+template <int VEC, int NV, int kTensors, bool kUnstaged = false>
 struct Ring {
   // Long rows (8+ vectors a thread) have enough bytes in flight per thread
   // without staging; their stages would not fit in shared memory either.
-  static constexpr bool kStaged = VEC > 1 && NV <= 4;
+  static constexpr bool kStaged = VEC > 1 && NV <= 4 && !kUnstaged;
   // Two stages: one row in flight while the thread works on another (three
   // measured no faster).
   static constexpr int kStages = kStaged ? 2 : 1;
@@ -361,6 +411,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
     RegVec<X, VEC> xv[NV];
     ring.read(xv, stage, 0, row_ptr(g), valid, t.lane, a.tpr, t.nvec);
     stage = (stage + 1) % R::kStages;
+    if (a.residual) {
+      auto at = [&](int i) { return t.lane + int64_t(i) * a.tpr; };
+      add_residual(xv, a, row * a.hidden, [&](int i) { return valid && at(i) < t.nvec; }, at);
+    }
     A mean, rstd;
     row_stats(xv, t.lane, a.tpr, t.nvec, a, t.inv_n, mean, rstd,
               [&](A (&v)[1], int) { row_sum(v, a.tpr, smem); });
@@ -377,7 +431,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
       const int64_t c = t.lane + int64_t(i) * a.tpr;
       if (c >= t.nvec) continue;
       A w[VEC], b[VEC];
-      if (use_w) load_vec(w, w_src + c * VEC);
+      if (use_w) load_scale(w, w_src + c * VEC, a.scale_offset);
       if (use_b) load_vec(b, b_src + c * VEC);
       normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
     }
@@ -408,6 +462,14 @@ __global__ void __launch_bounds__(kLongThreads) fwd_long(FwdArgs a) {
   const A inv_n = A(1) / A(a.hidden);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const X* xr = static_cast<const X*>(a.x) + row * a.hidden;
+    if (a.residual) {  // one pass writes h; the others read it back (each thread its own)
+      for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
+        RegVec<X, VEC> v[1];
+        v[0].load(xr + c * VEC);
+        add_residual(v, a, row * a.hidden, [](int) { return true; }, [c](int) { return c; });
+      }
+      xr = static_cast<const X*>(a.new_residual) + row * a.hidden;
+    }
     A mean = 0;
     if (a.centered) {
       mean = long_row_sum<VEC>(xr, nvec, smem, [](A v) { return v; }) * inv_n;
@@ -425,7 +487,7 @@ __global__ void __launch_bounds__(kLongThreads) fwd_long(FwdArgs a) {
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       A o[VEC], w[VEC], b[VEC];
       load_vec(o, xr + c * VEC);
-      if (a.has_scale) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+      if (a.has_scale) load_scale(w, static_cast<const W*>(a.scale) + c * VEC, a.scale_offset);
       if (a.has_bias) load_vec(b, static_cast<const W*>(a.bias) + c * VEC);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -516,9 +578,9 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 // Shared memory of the backward, in order: the ring (x, dy), the per-thread
 // statistics of each stage (mean, rstd), the dscale/dbias accumulators, and the
 // staged scale.
-template <typename A, int VEC, int NV>
+template <typename A, int VEC, int NV, bool kWideDy>
 struct BwdSmem {
-  using R = Ring<VEC, NV, 2>;
+  using R = Ring<VEC, NV, 2, kWideDy>;
   static __host__ __device__ size_t stats(int threads) {
     return R::bytes(threads);
   }
@@ -534,8 +596,9 @@ template <typename X, typename G, typename W, int VEC, int NV>
 __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
-  using R = Ring<VEC, NV, 2>;
-  using M = BwdSmem<A, VEC, NV>;
+  constexpr bool kWideDy = sizeof(G) > sizeof(X);
+  using R = Ring<VEC, NV, 2, kWideDy>;
+  using M = BwdSmem<A, VEC, NV, kWideDy>;
   __shared__ A smem[32 * 2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -602,7 +665,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         xh[e] = (xh[e] - mean) * rstd;
-        g[e] = a.has_scale ? d[e] * w[e] : d[e];
+        g[e] = a.has_scale ? d[e] * (w[e] + A(a.scale_offset)) : d[e];
       }
     };
     A s[2] = {0, 0};
@@ -633,6 +696,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       xhat_g(i, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+      add_dres<VEC, A, X>(o, a, base + c * VEC);
       store_vec(dxr + c * VEC, o);
     }
   }
@@ -654,7 +718,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
     load_vec(xh, static_cast<const X*>(a.x) + base + c * VEC);
     load_vec(d, static_cast<const G*>(a.dy) + base + c * VEC);
     A w[VEC];
-    if (a.has_scale) load_vec(w, static_cast<const W*>(a.scale) + c * VEC);
+    if (a.has_scale) load_scale(w, static_cast<const W*>(a.scale) + c * VEC, a.scale_offset);
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       xh[e] = (xh[e] - mean) * rstd;
@@ -684,6 +748,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
         if (a.has_scale) pw[c * VEC + e] += d[e] * xh[e];
         if (a.has_bias) pb[c * VEC + e] += d[e];
       }
+      add_dres<VEC, A, X>(o, a, base + c * VEC);
       store_vec(dxr + c * VEC, o);
     }
   }
@@ -789,19 +854,20 @@ struct BwdLaunch {
 };
 
 // Shared memory the backward's register path needs under `plan`.
-template <typename X, typename W, int VEC>
+template <typename X, typename G, typename W, int VEC>
 size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
   return with_variant<VEC, kMaxBwdNv>(plan, [&](auto v) {
     using V = decltype(v);
     const size_t staged = staged_param_bytes<W, VEC>(hidden, int(has_scale));
-    return BwdSmem<acc_t<X>, VEC, V::nv>::scale(plan.threads(), regions) + staged;
+    constexpr bool kWideDy = sizeof(G) > sizeof(X);
+    return BwdSmem<acc_t<X>, VEC, V::nv, kWideDy>::scale(plan.threads(), regions) + staged;
   });
 }
 
 // Backward rows: the element-wise plan; else 4 vectors a thread (8 or
 // more spill: the backward holds x and dy), with as many rows per block as
 // keep two blocks on an SM, or the long path when a row does not fit.
-template <typename X, typename W, int VEC>
+template <typename X, typename G, typename W, int VEC>
 RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
                       const DeviceInfo& dev) {
   const int sms = dev.sms;
@@ -810,11 +876,11 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
       : plan_with_nv(rows, nvec, nvec <= kMaxBwdNv * kMaxRowThreads ? kMaxBwdNv : 0, sms);
   if (p.nv == 0) return p;
   while (p.rows_per_block > 1 &&
-         bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > kTwoBlocksSmem) {
+         bwd_smem_bytes<X, G, W, VEC>(p, hidden, has_scale, regions) > kTwoBlocksSmem) {
     p.rows_per_block /= 2;
     p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
   }
-  if (bwd_smem_bytes<X, W, VEC>(p, hidden, has_scale, regions) > dev.max_dynamic_smem) {
+  if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, has_scale, regions) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
   return p;
@@ -834,7 +900,7 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
       return &bwd_regs<X, G, W, VEC, V::nv>;
     });
     l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
-    l.smem = bwd_smem_bytes<X, W, VEC>(plan, hidden, has_scale, regions);
+    l.smem = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions);
   }
   const int per_sm = blocks_per_sm(l.kernel, plan.threads(), l.smem, dev);
   l.grid = grid_size(plan.groups, int64_t(per_sm) * dev.sms);
