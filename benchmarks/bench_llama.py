@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import optax
-from devtime import kernel_times
+from devtime import kernel_times, write_results
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from llama_train import (  # noqa: E402
@@ -107,14 +106,7 @@ def main():
     for r in records:
         lines.append(f"| {r['step']} | {r['shape']} | {r['norms']} | {r['us']:.1f} | "
                      f"{r['jaxnorm_kernels_us']:.1f} | {r['flax_over_this']:.3f} |")
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "llama_" + device.replace(" ", "_"))
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table + "\n")
+    write_results(args.out, "llama", device, meta, records, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import platform
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from devtime import copy_bandwidth_gbps, kernel_times
+from devtime import copy_bandwidth_gbps, kernel_times, write_results
 
 import jaxnorm
 
@@ -139,14 +137,7 @@ def main():
             f"{r['us']:.1f} | {r['gbps']:.0f} | {100 * r['gbps'] / copy:.0f}% | "
             f"{r['vs_xla']:.2f} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "row_norm_" + device.replace(" ", "_"))
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, records=records), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(table + "\n")
+    write_results(args.out, "row_norm", device, meta, records, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import statistics
 import tempfile
@@ -62,3 +63,16 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     x = jax.numpy.ones((nbytes // 4,), jax.numpy.float32) + jax.numpy.arange(nbytes // 4) % 7
     t = device_time_us(jax.jit(lambda a: a * 2), x, iters=10)
     return 2 * nbytes / t / 1e3
+
+
+def write_results(out_dir: str, name: str, device: str, meta: dict, records: list,
+                  table: str) -> None:
+    """Prints the markdown table and writes it and the records (JSON) as
+    out_dir/<name>_<device>.{md,json}."""
+    print(table)
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{name}_" + device.replace(" ", "_"))
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, records=records), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(table + "\n")

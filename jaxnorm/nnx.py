@@ -16,17 +16,30 @@ def _value(p):
     return None if p is None else p[...]
 
 
+def _apply(module, x, mask, *, centered, residual=None):
+    """The kernels' result, or None where the fields do not map onto them.
+    Parameters are promoted as Flax's modules promote them."""
+    k = trailing_norm_ndim(x, module.reduction_axes, module.feature_axes)
+    if k is None or mask is not None or module.axis_index_groups is not None:
+        return None
+    bias = _value(module.bias) if centered else None
+    normed = x if residual is None else residual
+    promoted = module.promote_dtype((normed, _value(module.scale), bias), dtype=module.dtype)
+    normed, scale, bias = promoted
+    if residual is None:
+        x = normed
+    return normalize(x, scale, bias, centered=centered, k=k, feature_axes=module.feature_axes,
+                     epsilon=module.epsilon, dtype=module.dtype, axis_name=module.axis_name,
+                     residual=residual)
+
+
 class RMSNorm(nnx.RMSNorm):
     __doc__ = "jaxnorm's kernels behind ``flax.nnx.RMSNorm``.\n" + UNSUPPORTED
 
     def __call__(self, x, mask=None):
         """x: (..., *normalized); returns y of x's shape."""
-        k = trailing_norm_ndim(x, self.reduction_axes, self.feature_axes)
-        if k is None or mask is not None or self.axis_index_groups is not None:
-            return super().__call__(x, mask=mask)
-        x, scale = self.promote_dtype((x, _value(self.scale)), dtype=self.dtype)
-        return normalize(x, scale, None, centered=False, k=k, feature_axes=self.feature_axes,
-                         epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+        y = _apply(self, x, mask, centered=False)
+        return super().__call__(x, mask=mask) if y is None else y
 
 
 class LayerNorm(nnx.LayerNorm):
@@ -34,13 +47,8 @@ class LayerNorm(nnx.LayerNorm):
 
     def __call__(self, x, *, mask=None):
         """x: (..., *normalized); returns y of x's shape."""
-        k = trailing_norm_ndim(x, self.reduction_axes, self.feature_axes)
-        if k is None or mask is not None or self.axis_index_groups is not None:
-            return super().__call__(x, mask=mask)
-        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
-                                            dtype=self.dtype)
-        return normalize(x, scale, bias, centered=True, k=k, feature_axes=self.feature_axes,
-                         epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+        y = _apply(self, x, mask, centered=True)
+        return super().__call__(x, mask=mask) if y is None else y
 
 
 class AddRMSNorm(RMSNorm):
@@ -51,11 +59,8 @@ class AddRMSNorm(RMSNorm):
 
     def __call__(self, x, residual, mask=None):
         """x, residual: (..., *normalized) of one shape; returns (y, h)."""
-        k = trailing_norm_ndim(x, self.reduction_axes, self.feature_axes)
-        if k is None or mask is not None or self.axis_index_groups is not None:
+        out = _apply(self, x, mask, centered=False, residual=residual)
+        if out is None:
             h = (x + residual).astype(residual.dtype)
             return super().__call__(h, mask=mask), h
-        _, scale = self.promote_dtype((residual, _value(self.scale)), dtype=self.dtype)
-        return normalize(x, scale, None, centered=False, k=k, feature_axes=self.feature_axes,
-                         epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name,
-                         residual=residual)
+        return out
