@@ -2,20 +2,35 @@
 norms against the same model with Flax's: device time of a training step and
 of a decode step (sum of kernel durations, as devtime.py measures them).
 
-  python benchmarks/bench_llama.py --out DIR
+XLA picks each GEMM's cuBLAS algorithm by timing candidates while it compiles,
+and those timings vary: two compilations of the same model in two processes
+ran 44.2 and 45.2 ms a training step on an H200 (benchmarks/NOTES.md, v12).
+So every measurement here is a fresh process (a fresh compilation), the
+variants take turns, and the table gives the median over `--repeats` of them
+with its range. Two controls separate the norms from that noise:
+- the time outside GEMM kernels (cuBLAS and XLA's Triton GEMM fusions),
+  where the norms run;
+- one more compilation of each variant with XLA's autotuning off
+  (--xla_gpu_autotune_level=0), where cuBLAS's own heuristic picks each GEMM's
+  algorithm from its shape and layout alone, the same in every variant.
+
+  python benchmarks/bench_llama.py --out DIR [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import statistics
+import subprocess
 import sys
 
 import jax
 import jax.numpy as jnp
 import optax
-from devtime import kernel_times, write_results
+from devtime import kernel_times_or_wall, write_results
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from llama_train import (  # noqa: E402
@@ -30,83 +45,151 @@ from llama_train import (  # noqa: E402
 import jaxnorm  # noqa: E402
 
 WIDE = dict(vocab=32000, hidden=4096, heads=32, ffn=11008, max_len=2048)
-
+TINY = dict(vocab=256, hidden=128, heads=4, ffn=344, max_len=2048)  # --tiny: checks the script
 
 VARIANTS = {  # name: Config fields
     "jaxnorm": dict(norms="jaxnorm"),
     "jaxnorm, add unfused": dict(norms="jaxnorm", fuse_add=False),
     "flax": dict(norms="flax"),
 }
+GEMM_KERNELS = ("nvjet", "gemm", "xmma", "cutlass", "cublas")
+NO_AUTOTUNE = "--xla_gpu_autotune_level=0"
 
 
-def summary(variant: str, kernels: dict[str, float]):
-    """(total µs, µs in jaxnorm's kernels); prints the largest kernels."""
+def summary(kernels: dict[str, float]) -> dict:
+    """Total, jaxnorm-kernel and GEMM-kernel µs of one step, and its largest kernels."""
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
-    print(f"# {variant}: " + ", ".join(f"{n[:50]} {us:.1f}" for n, us in ranked[:25]),
-          flush=True)
-    return sum(kernels.values()), sum(us for n, us in kernels.items() if "jaxnorm" in n)
+    return dict(
+        us=sum(kernels.values()),
+        jaxnorm_us=sum(us for n, us in kernels.items() if "jaxnorm" in n),
+        gemm_us=sum(us for n, us in kernels.items() if any(g in n for g in GEMM_KERNELS)),
+        top=", ".join(f"{n[:50]} {us:.1f}" for n, us in ranked[:12]),
+    )
 
 
-def train_time(variant: str, layers: int, batch: int, seq: int):
-    cfg = Config(**WIDE, layers=layers, **VARIANTS[variant])
+def train_step_time(variant: str, dims: dict, layers: int, batch: int, seq: int) -> dict:
+    cfg = Config(**dims, layers=layers, **VARIANTS[variant])
     model = Llama(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))
     tx = optax.adamw(1e-4)
     opt_state = tx.init(params)
     step = make_train_step(model, tx)
     tokens = batch_of(jax.random.key(1), cfg, batch, seq + 1)
-    kernels = kernel_times(step, params, opt_state, tokens, iters=5, warmup=2)
-    return summary(variant, kernels)
+    return summary(kernel_times_or_wall(step, params, opt_state, tokens, iters=5, warmup=2))
 
 
-def decode_time(variant: str, layers: int, batch: int, pos: int):
-    cfg = Config(**WIDE, layers=layers, **VARIANTS[variant])
+def decode_step_time(variant: str, dims: dict, layers: int, batch: int, pos: int) -> dict:
+    cfg = Config(**dims, layers=layers, **VARIANTS[variant])
     model = Llama(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)  # served in bf16
     step = make_decode_step(model)
     caches = empty_caches(cfg, batch)
     tok = jnp.zeros((batch, 1), jnp.int32)
-    kernels = kernel_times(step, params, tok, caches, jnp.int32(pos), iters=20)
-    return summary(variant, kernels)
+    return summary(kernel_times_or_wall(step, params, tok, caches, jnp.int32(pos), iters=20))
+
+
+def cases(dims: dict, layers: int) -> dict:
+    return {
+        ("train step", f"batch 4 x seq 1024, {layers} layers"):
+            lambda v: train_step_time(v, dims, layers, 4, 1024),
+        ("decode step", f"batch 8, position 1000, {layers} layers"):
+            lambda v: decode_step_time(v, dims, layers, 8, 1000),
+        ("decode step", f"batch 64, position 1000, {layers} layers"):
+            lambda v: decode_step_time(v, dims, layers, 64, 1000),
+    }
+
+
+def measure_in_child(variant: str, args, train_only: bool, no_autotune: bool) -> list:
+    """Runs this script's --child mode in a fresh process; its records."""
+    env = dict(os.environ)
+    if no_autotune:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_AUTOTUNE).strip()
+    cmd = [sys.executable, __file__, "--child", variant, "--layers", str(args.layers)]
+    cmd += ["--train-only"] * train_only + ["--tiny"] * args.tiny
+    out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for r in records:
+        r["autotuning"] = "off" if no_autotune else "on"
+        print(f"# {r['norms']} ({r['step']}, autotuning {r['autotuning']}): "
+              f"{r['us']:.1f} µs, outside GEMMs {r['us'] - r['gemm_us']:.1f}; {r.pop('top')}",
+              flush=True)
+    return records
+
+
+def table_rows(records: list) -> list[dict]:
+    """Median and range of each (step, shape, autotuning, norms) over its runs,
+    and Flax's median over this one's."""
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault((r["step"], r["shape"], r["autotuning"], r["norms"]), []).append(r)
+    rows = []
+    for (what, shape, tuning, norms), rs in groups.items():
+        us = [r["us"] for r in rs]
+        rows.append(dict(step=what, shape=shape, autotuning=tuning, norms=norms, runs=len(rs),
+                         us=statistics.median(us), us_min=min(us), us_max=max(us),
+                         outside_gemm_us=statistics.median(r["us"] - r["gemm_us"] for r in rs),
+                         jaxnorm_us=statistics.median(r["jaxnorm_us"] for r in rs)))
+    for row in rows:
+        flax = next(f for f in rows if f["norms"] == "flax" and all(
+            f[k] == row[k] for k in ("step", "shape", "autotuning")))
+        row["flax_over_this"] = flax["us"] / row["us"]
+        row["flax_over_this_outside_gemm"] = flax["outside_gemm_us"] / row["outside_gemm_us"]
+    return rows
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    m = meta["model"]
+    lines = [
+        f"Device: {meta['device']}; date {meta['date']}; jax {meta['jax']}; Llama-style model, "
+        f"hidden {m['hidden']}, ffn {m['ffn']}, {m['layers']} layers; device time per step"
+        " (µs), median over fresh compilations (runs), with its range.",
+        "",
+        "| step | shape | XLA autotuning | norms | runs | µs | range | outside GEMMs "
+        "| of which jaxnorm kernels | Flax time / this | the same, outside GEMMs |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['step']} | {r['shape']} | {r['autotuning']} | {r['norms']} | {r['runs']} "
+            f"| {r['us']:.1f} | {r['us_min']:.1f}-{r['us_max']:.1f} | {r['outside_gemm_us']:.1f} "
+            f"| {r['jaxnorm_us']:.1f} | {r['flax_over_this']:.3f} "
+            f"| {r['flax_over_this_outside_gemm']:.3f} |")
+    return "\n".join(lines)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
+    ap.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
     args = ap.parse_args()
-    device = jax.devices()[0].device_kind
-    cases = [
-        ("train step", f"batch 4 x seq 1024, {args.layers} layers",
-         lambda n: train_time(n, args.layers, 4, 1024)),
-        ("decode step", f"batch 8, position 1000, {args.layers} layers",
-         lambda n: decode_time(n, args.layers, 8, 1000)),
-        ("decode step", f"batch 64, position 1000, {args.layers} layers",
-         lambda n: decode_time(n, args.layers, 64, 1000)),
-    ]
+    dims = TINY if args.tiny else WIDE
+    if args.child:  # one variant, every case, one compilation each: JSON lines
+        for (what, shape), run in cases(dims, args.layers).items():
+            if args.train_only and what != "train step":
+                continue
+            print(json.dumps(dict(step=what, shape=shape, norms=args.child,
+                                  device=jax.devices()[0].device_kind, **run(args.child))),
+                  flush=True)
+        return
     records = []
-    for what, shape, run in cases:
-        times = {variant: run(variant) for variant in VARIANTS}
-        for norms, (us, in_norms) in times.items():
-            records.append(dict(step=what, shape=shape, norms=norms, us=round(us, 1),
-                                jaxnorm_kernels_us=round(in_norms, 1),
-                                flax_over_this=round(times["flax"][0] / us, 4)))
-            print(records[-1], flush=True)
-    meta = dict(device=device, date=datetime.date.today().isoformat(), jax=jax.__version__,
-                jaxnorm=jaxnorm.__version__, model=dict(WIDE, layers=args.layers),
+    for i in range(args.repeats):  # variants take turns, so drift hits them alike
+        for variant in VARIANTS:  # decode steps once: their GEMMs are a small share
+            records += measure_in_child(variant, args, i > 0, False)
+    for variant in VARIANTS:
+        records += measure_in_child(variant, args, True, True)
+    # The children hold the GPU; this process never touches it.
+    meta = dict(device=records[0]["device"], date=datetime.date.today().isoformat(),
+                jax=jax.__version__, jaxnorm=jaxnorm.__version__,
+                model=dict(dims, layers=args.layers), repeats=args.repeats,
                 dtype="bfloat16 activations, float32 parameters (bfloat16 for decode)")
-    lines = [
-        f"Device: {device}; date {meta['date']}; jax {jax.__version__}; Llama-style model, "
-        f"hidden {WIDE['hidden']}, ffn {WIDE['ffn']}, {args.layers} layers; device time per step.",
-        "",
-        "| step | shape | norms | µs | of which jaxnorm kernels | Flax time / this |",
-        "|---|---|---|---:|---:|---:|",
-    ]
-    for r in records:
-        lines.append(f"| {r['step']} | {r['shape']} | {r['norms']} | {r['us']:.1f} | "
-                     f"{r['jaxnorm_kernels_us']:.1f} | {r['flax_over_this']:.3f} |")
-    write_results(args.out, "llama", device, meta, records, "\n".join(lines))
+    rows = table_rows(records)
+    write_results(args.out, "llama", meta["device"], dict(meta, runs=records), rows,
+                  markdown(rows, meta))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 # build uses the machine's jax, nanobind and scikit-build-core), run the whole
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
-# STEPS picks what runs after the build (default: tests plans bench; also
+# STEPS picks what runs after the build (unset: tests plans bench; also
 # "examples", which runs examples/ on the machine's GPUs, and "model", the
 # Llama-style model benchmark); SKIP_BUILD=1 keeps an earlier build; the
 # step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
@@ -11,7 +11,7 @@
 set -uo pipefail
 export PATH=/usr/local/cuda/bin:$PATH
 OUT=${OUT:-$PWD/gpu-out}
-STEPS=${STEPS:-tests plans bench}
+STEPS=${STEPS-tests plans bench}  # STEPS="" (set, empty): the build alone
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

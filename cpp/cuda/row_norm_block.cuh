@@ -187,13 +187,18 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
-  if (a.residual) {
-    add_residual(xv, a, row * hidden, [&](int i) { return span.in(i); },
-                 [&](int i) { return span.at(i); });
-  }
-  if constexpr (kHold) {
-    if (use_w) load_row(wv, scale, span);
-    if (use_b) load_row(bv, bias, span);
+  auto load_params = [&] {
+    if constexpr (kHold) {
+      if (use_w) load_row(wv, scale, span);
+      if (use_b) load_row(bv, bias, span);
+    }
+  };
+  if (kSplit == 1 && a.residual) {  // never split (launch_fwd_block): compiled out there
+    load_params();  // before the residual add's stores, which no load passes
+    add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden, [&](int i) { return span.in(i); },
+                                        [&](int i) { return span.at(i); });
+  } else {
+    load_params();  // where ptxas places it: after the first sum (v9)
   }
   A mean, rstd;
   const A inv_n = A(1) / A(hidden);
@@ -344,6 +349,11 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), span);
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
   load_row(gv, static_cast<const G*>(a.dy) + row * hidden, span);
+  Dres<X, VEC> dres[NV];
+  if constexpr (!kDots) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) dres[i].load(a, row * hidden + span.at(i) * VEC, span.in(i));
+  }
   const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
   const A rstd = static_cast<const A*>(a.rstd)[row];
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
@@ -374,7 +384,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
       xh[e] = xhat(i * VEC + e);
       o[e] = rstd * (g(i * VEC + e) - c_g - xh[e] * c_gx);
     }
-    add_dres<VEC, A, X>(o, a, row * hidden + c * VEC);
+    dres[i].add_to(o, a);
     store_vec(dxr + c * VEC, o);
     if (a.has_bias) store_vec(static_cast<W*>(a.dbias) + c * VEC, d);
     if (a.has_scale) {
@@ -392,7 +402,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
 // then the warps in order: the same bits on every run) and writes them; with each
 // row's dots from a.partial it also writes dx. A warp covers 8 rows of 64
 // bytes.
-constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs;
+constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs, kColBatch = 4;
 
 // Sums v over the lanes that share lane % kColVecs, in place. Each step
 // halves the elements a lane keeps (the half its partner does not) until one
@@ -432,26 +442,41 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
 #pragma unroll
   for (int e = 0; e < VEC; ++e) w[e] = A(1);
   if (a.has_scale && in) load_scale(w, static_cast<const W*>(a.scale) + c * VEC, a.scale_offset);
-#pragma unroll 4
-  for (int64_t row = slot; in && row < a.rows; row += kColRows) {
-    const int64_t at = row * a.hidden + c * VEC;
-    RegVec<X, VEC> xv;
-    RegVec<G, VEC> gv;
-    xv.load(static_cast<const X*>(a.x) + at);
-    gv.load(static_cast<const G*>(a.dy) + at);
-    const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
-    const A rstd = static_cast<const A*>(a.rstd)[row];
-    const Packed<A, 2> dot = dots[row];  // mean(g * xhat), mean(g)
-    A o[VEC];
+  // kColBatch rows' inputs loaded before any of their dx is stored: the
+  // compiler moves no load past a store (inline PTX), so a row at a time cost
+  // a memory round trip a row (benchmarks/NOTES.md, v12).
+  for (int64_t first = slot; in && first < a.rows; first += kColBatch * kColRows) {
+    RegVec<X, VEC> xv[kColBatch];
+    RegVec<G, VEC> gv[kColBatch];
+    Dres<X, VEC> dres[kColBatch];
+    A mean[kColBatch], rstd[kColBatch];
+    Packed<A, 2> dot[kColBatch];  // mean(g * xhat), mean(g)
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const A d = gv.get(e), xh = (xv.get(e) - mean) * rstd;
-      o[e] = rstd * (d * w[e] - dot.v[1] - xh * dot.v[0]);
-      dw[e] += d * xh;
-      if constexpr (kCentered) db[e] += d;
+    for (int u = 0; u < kColBatch; ++u) {
+      const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
+      if (row >= a.rows) continue;
+      xv[u].load(static_cast<const X*>(a.x) + at);
+      gv[u].load(static_cast<const G*>(a.dy) + at);
+      dres[u].load(a, at);
+      mean[u] = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
+      rstd[u] = static_cast<const A*>(a.rstd)[row];
+      dot[u] = dots[row];
     }
-    add_dres<VEC, A, X>(o, a, at);
-    store_vec(static_cast<X*>(a.dx) + at, o);
+#pragma unroll
+    for (int u = 0; u < kColBatch; ++u) {
+      const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
+      if (row >= a.rows) continue;
+      A o[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const A d = gv[u].get(e), xh = (xv[u].get(e) - mean[u]) * rstd[u];
+        o[e] = rstd[u] * (d * w[e] - dot[u].v[1] - xh * dot[u].v[0]);
+        dw[e] += d * xh;
+        if constexpr (kCentered) db[e] += d;
+      }
+      dres[u].add_to(o, a);
+      store_vec(static_cast<X*>(a.dx) + at, o);
+    }
   }
   // Over the warp's row slots (lane bits 2-4), each lane keeping the half of
   // its sums that its partner gives away (a reduce-scatter): lane l ends with

@@ -208,33 +208,63 @@ __device__ __forceinline__ void load_scale(A (&w)[VEC], const W* p, float offset
 // to new_residual. at(i) is vector i's index in the row. A thread reads each
 // element of residual before it writes the same element of new_residual, and
 // no other thread touches it, so the two may alias.
-template <int VEC, int NV, typename X, typename In, typename At>
+// kAhead vectors are loaded before the first of them is stored: the compiler
+// moves no load past a store (inline PTX), so in the decode kernels loading
+// vector i + 1 after storing vector i cost a memory round trip
+// (benchmarks/NOTES.md, v12). Kernels with many vectors a thread keep
+// kAhead = 1: more would cost them registers (spills at 16 vectors), and
+// their SMs hold other rows' blocks to hide the wait.
+template <int kAhead, int VEC, int NV, typename X, typename In, typename At>
 __device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
                                              int64_t row_start, In&& in, At&& at) {
+  static_assert(kAhead == 1 || kAhead == NV);
   const X* res = static_cast<const X*>(a.residual) + row_start;
   X* out = static_cast<X*>(a.new_residual) + row_start;
-#pragma unroll
-  for (int i = 0; i < NV; ++i) {
-    if (!in(i)) continue;
-    RegVec<X, VEC> r;
-    r.load(res + int64_t(at(i)) * VEC);
+  auto add_store = [&](int i, const RegVec<X, VEC>& r) {
     acc_t<X> h[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) h[e] = xv[i].get(e) + r.get(e);
     xv[i].pack(h);
     xv[i].store_global(out + int64_t(at(i)) * VEC);
+  };
+  if constexpr (kAhead == 1) {
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (!in(i)) continue;
+      RegVec<X, VEC> r;
+      r.load(res + int64_t(at(i)) * VEC);
+      add_store(i, r);
+    }
+  } else {
+    RegVec<X, VEC> r[NV];
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (in(i)) r[i].load(res + int64_t(at(i)) * VEC);
+    }
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (in(i)) add_store(i, r[i]);
+    }
   }
 }
 
-// o += dres at p (the backward of the fused residual add), when there is one.
-template <int VEC, typename A, typename X>
-__device__ __forceinline__ void add_dres(A (&o)[VEC], const BwdArgs& a, int64_t at) {
-  if (a.dres == nullptr) return;
-  A r[VEC];
-  load_vec(r, static_cast<const X*>(a.dres) + at);
+// The cotangent of new_residual (dres), added to dx in the backward of the
+// fused residual add. Loaded with the row's x and dy, not where it is added:
+// there, after the row's reductions and behind earlier stores, it cost a
+// memory round trip of its own (benchmarks/NOTES.md, v12).
+template <typename X, int VEC>
+struct Dres {
+  RegVec<X, VEC> v;
+  __device__ __forceinline__ void load(const BwdArgs& a, int64_t at, bool in = true) {
+    if (a.dres != nullptr && in) v.load(static_cast<const X*>(a.dres) + at);
+  }
+  template <typename A>
+  __device__ __forceinline__ void add_to(A (&o)[VEC], const BwdArgs& a) const {
+    if (a.dres == nullptr) return;
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) o[e] += r[e];
-}
+    for (int e = 0; e < VEC; ++e) o[e] += v.get(e);
+  }
+};
 
 // Starts copying scale and bias into shared memory, 16 bytes at a time, and
 // points `scale` and `bias` at the copies. They complete with the thread's next
@@ -413,7 +443,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
     stage = (stage + 1) % R::kStages;
     if (a.residual) {
       auto at = [&](int i) { return t.lane + int64_t(i) * a.tpr; };
-      add_residual(xv, a, row * a.hidden, [&](int i) { return valid && at(i) < t.nvec; }, at);
+      add_residual<1>(xv, a, row * a.hidden, [&](int i) { return valid && at(i) < t.nvec; }, at);
     }
     A mean, rstd;
     row_stats(xv, t.lane, a.tpr, t.nvec, a, t.inv_n, mean, rstd,
@@ -466,7 +496,7 @@ __global__ void __launch_bounds__(kLongThreads) fwd_long(FwdArgs a) {
       for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
         RegVec<X, VEC> v[1];
         v[0].load(xr + c * VEC);
-        add_residual(v, a, row * a.hidden, [](int) { return true; }, [c](int) { return c; });
+        add_residual<1>(v, a, row * a.hidden, [](int) { return true; }, [c](int) { return c; });
       }
       xr = static_cast<const X*>(a.new_residual) + row * a.hidden;
     }
@@ -696,7 +726,11 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       xhat_g(i, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
-      add_dres<VEC, A, X>(o, a, base + c * VEC);
+      // dres at its use: loaded with x and dy, NV vectors of it took up to 27
+      // more registers, which this kernel's occupancy cannot spare.
+      Dres<X, VEC> dres;
+      dres.load(a, base + c * VEC);
+      dres.add_to(o, a);
       store_vec(dxr + c * VEC, o);
     }
   }
@@ -741,6 +775,8 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
     X* dxr = static_cast<X*>(a.dx) + base;
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       A xh[VEC], d[VEC], g[VEC], o[VEC];
+      Dres<X, VEC> dres;
+      dres.load(a, base + c * VEC);
       load(base, c, mean, rstd, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
@@ -748,7 +784,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
         if (a.has_scale) pw[c * VEC + e] += d[e] * xh[e];
         if (a.has_bias) pb[c * VEC + e] += d[e];
       }
-      add_dres<VEC, A, X>(o, a, base + c * VEC);
+      dres.add_to(o, a);
       store_vec(dxr + c * VEC, o);
     }
   }
