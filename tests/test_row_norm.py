@@ -169,7 +169,7 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 # row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528): a
 # forward compiled for the row length where it is 256, 512 or 1024 16-byte
 # vectors (4096 and 8192 bf16, 1024 float32, 512 float64), with two blocks a
-# row or one (64 rows: two for LayerNorm only; 100 rows: one); one row (one
+# row or one (64 rows: two; 100 rows: two for RMSNorm only); one row (one
 # block writes the gradients itself); more rows, the column plan
 # (row dots, then blocks of 4 column vectors over all rows): a row not a whole
 # number of a thread's vectors nor of a column block's (7x2052 float32: 513
@@ -325,6 +325,27 @@ def test_nonfinite_rows_stay_in_their_row(op):
     good = [0, 2, 3, 5]
     assert not bad[good].any()
     assert_close(y[good], norm_np(x[good], scale, bias, eps, centered, 1), jnp.float32)
+
+
+@pytest.mark.parametrize("op", [*OPS, "add_rms_norm"])
+@pytest.mark.parametrize("hidden,dtype", [(4096, jnp.bfloat16), (2052, jnp.float32)], ids=str)
+def test_rows_keep_their_bits_in_any_batch(op, hidden, dtype):
+    # On a GPU, 1-300 rows take the decode kernels, with one block a row or
+    # two (each reducing the whole row: RMSNorm up to 264 rows, LayerNorm up
+    # to 66), which add up a row's sums in the same tree.
+    x = rand(91, (300, hidden), dtype, offset=0.5)
+    scale, bias = params("layer_norm" if op == "layer_norm" else "rms_norm", 91, (hidden,), dtype)
+    if op == "add_rms_norm":
+        residual = rand(92, (300, hidden), dtype)
+        f = jax.jit(lambda x, r: jaxnorm.add_rms_norm(x, r, scale))
+    else:
+        f = jax.jit(lambda x, r: call(op, x, scale, bias))
+        residual = x
+    whole = jax.tree.map(np.asarray, f(x, residual))
+    for rows in (1, 8, 64, 256):
+        part = f(x[:rows], residual[:rows])
+        for got, want in zip(jax.tree.leaves(part), jax.tree.leaves(whole)):
+            np.testing.assert_array_equal(np.asarray(got), want[:rows])
 
 
 @pytest.mark.parametrize("rows", [4096, 100])  # on a GPU: partial rows; the column plan

@@ -94,6 +94,44 @@ __global__ void copy8_kernel(const uint4* in, uint4* out, int64_t n) {
   for (int i = 0; i < 8; ++i) out[base + i * blockDim.x] = v[i];
 }
 
+// Each thread loads 2 vectors of in0 (and of in1, unless null), then stores
+// them to out0 (out1): the decode forward's pattern without its reduction.
+__global__ void copy2_kernel(const uint4* in0, uint4* out0, const uint4* in1, uint4* out1,
+                             int64_t n) {
+  const int64_t base = blockIdx.x * int64_t(blockDim.x) * 2 + threadIdx.x;
+  uint4 a[2], b[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t at = base + i * blockDim.x;
+    if (at < n) a[i] = in0[at];
+    if (at < n && in1) b[i] = in1[at];
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t at = base + i * blockDim.x;
+    if (at < n) out0[at] = a[i];
+    if (at < n && in1) out1[at] = b[i];
+  }
+}
+
+// An empty kernel launched in clusters of `size` blocks.
+__global__ void empty_cluster_kernel() {}
+
+float empty_cluster_us(cudaStream_t s, int blocks, int size) {
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(size);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(blocks));
+  config.blockDim = dim3(256);
+  config.stream = s;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return time_us(s, [&] { CHECK(cudaLaunchKernelEx(&config, empty_cluster_kernel)); });
+}
+
 // Read + write bandwidth of a 1 GiB device-to-device copy kernel.
 float copy_gbps(cudaStream_t s, int sms) {
   const size_t n = size_t(1) << 30;
@@ -181,8 +219,8 @@ int main(int argc, char** argv) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
              {2048, 32768}, {512, 65536}, {1024, 65536}, {512, 4096}, {256, 4096},
-             {128, 4096}, {64, 4096}, {64, 8192}, {32, 4096}, {16, 4096}, {8, 4096},
-             {2, 4096}, {1, 4096}}) {
+             {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
+             {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}}) {
       char name[32];
       std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
       const char* only = std::getenv("SHAPES");  // e.g. "64x4096,1x4096"
@@ -205,20 +243,31 @@ int main(int argc, char** argv) {
     const float us = time_us(s, [&] { empty_kernel<<<blocks, 256, 0, s>>>(); });
     std::printf("empty kernel, %d blocks of 256: %.2f us a launch\n", blocks, us);
   }
+  // ... and in clusters (sm_90): what a launch of a cluster kernel adds.
+  int clusters = 0;
+  CHECK(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, dev));
+  for (int size : {2, 4, 8}) {
+    if (!clusters) break;
+    for (int blocks : {8, 128}) {
+      std::printf("empty kernel, %d blocks of 256 in clusters of %d: %.2f us a launch\n", blocks,
+                  size, empty_cluster_us(s, blocks, size));
+    }
+  }
   std::printf("%-3s %-9s %12s %3s %4s %3s %6s %6s %9s %6s %5s  %s\n", "op", "pass", "shape",
               "nv", "tpr", "rpb", "grid", "smem", "us", "GB/s", "copy", "err");
   constexpr int VEC = 8;
   for (const Case& c : cases) {
     const int64_t n = c.rows * c.hidden, H = c.hidden, nvec = H / VEC;
-    bf16 *x, *dy, *y, *dx, *w, *b, *dw, *dbias;
+    bf16 *x, *dy, *y, *dx, *w, *b, *dw, *dbias, *res, *h;
     float *mean, *rstd, *partial;
-    for (bf16** p : {&x, &dy, &y, &dx}) CHECK(cudaMalloc(p, n * 2));
+    for (bf16** p : {&x, &dy, &y, &dx, &res, &h}) CHECK(cudaMalloc(p, n * 2));
     for (bf16** p : {&w, &b, &dw, &dbias}) CHECK(cudaMalloc(p, H * 2));
     CHECK(cudaMalloc(&mean, c.rows * 4));
     CHECK(cudaMalloc(&rstd, c.rows * 4));
     CHECK(cudaMalloc(&partial, size_t(2) * 32 * sms * H * 4));
     fill<<<1024, 256, 0, s>>>(x, n, 1, 0.5f);
     fill<<<1024, 256, 0, s>>>(dy, n, 2, 0.0f);
+    fill<<<1024, 256, 0, s>>>(res, n, 5, 0.0f);
     fill<<<64, 256, 0, s>>>(w, H, 3, 1.0f);
     fill<<<64, 256, 0, s>>>(b, H, 4, 0.0f);
     const char* op = c.centered ? "ln" : "rms";
@@ -287,17 +336,20 @@ int main(int argc, char** argv) {
     }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
     // row fits its block, with scale and bias loaded with x (e) or at their
-    // use, and for few rows also with two blocks a row (/2) and with the row
-    // length fixed at compile time (x, where a kernel has it); * where the
-    // handler takes it. y-diff: against the first kernel's y (0 where the
-    // statistics keep their bits).
-    std::vector<float> y_ref;  // y of the first one-block-a-row kernel timed
+    // use, and for few rows also with two blocks a row (/2), with the row
+    // length fixed at compile time (x, where a kernel has it) and with the
+    // residual add (+r: reads x and residual, writes y and new_residual);
+    // * where the handler takes it. y-diff: against the first kernel's y of
+    // the same kind (with the residual or without): 0 where the statistics
+    // keep their bits.
+    std::vector<float> y_ref[2];
     bool has_fixed = false;  // a kernel compiled for this row length
     with_row_vecs(nvec, [&](auto v) {
       has_fixed = decltype(v)::value > 0;
       return cudaSuccess;
     });
-    auto few_fwd = [&](auto nv, auto write_y, auto early, auto split, bool fixed) {
+    auto few_fwd = [&](auto nv, auto write_y, auto early, auto split, bool fixed,
+                       bool residual = false) {
       constexpr int NV = decltype(nv)::value, S = decltype(split)::value;
       constexpr bool kWriteY = decltype(write_y)::value, kEarly = decltype(early)::value;
       const int threads = threads_per_row(nvec, NV);
@@ -308,10 +360,10 @@ int main(int argc, char** argv) {
         with_row_vecs(fixed ? nvec : 0, [&](auto vecs) {
           constexpr int V = NV == kFewNv ? decltype(vecs)::value : 0;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S, V>;
-          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, false, sms) == NV;
+          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, residual, sms) == NV;
           if (planned && NV == kFewNv) planned = fixed == has_fixed;
           if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
-            planned = kEarly && S == (split_rows(c.rows, sms, kC) ? 2 : 1);
+            planned = kEarly && S == (split_rows(c.rows, sms, kC) && !residual ? 2 : 1);
           } else if (planned && kWriteY && NV == 4) {
             auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
             auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
@@ -320,27 +372,31 @@ int main(int argc, char** argv) {
           }
           FwdArgs a = fa;
           a.write_y = kWriteY;
+          if (residual) a.residual = res, a.new_residual = h;
           const unsigned grid = unsigned(c.rows * S);
           const float us = time_us(s, [&] { kernel<<<grid, threads, 0, s>>>(a); });
-          const double bytes = kWriteY ? 2.0 * n * 2 : 1.0 * n * 2;
+          const double bytes = (kWriteY ? 2.0 : 1.0) * n * 2 * (residual ? 2 : 1);
           char name[16];
-          std::snprintf(name, sizeof name, "%df%s%s%s%s", NV, kEarly && kWriteY ? "e" : "",
-                        V > 0 ? "x" : "", S > 1 ? "/2" : "", planned ? "*" : "");
+          std::snprintf(name, sizeof name, "%df%s%s%s%s%s", NV, kEarly && kWriteY ? "e" : "",
+                        V > 0 ? "x" : "", S > 1 ? "/2" : "", residual ? "+r" : "",
+                        planned ? "*" : "");
           std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%", op,
                       kWriteY ? "fwd" : "stats", shape, name, threads, 1, long(grid), "-", us,
                       bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
           if (kWriteY) {
-            kernel<<<grid, threads, 0, s>>>(fa);  // checked with dx
+            kernel<<<grid, threads, 0, s>>>(a);
             if (verify) {  // largest |y - y_ref| / (1 + |y_ref|)
               std::vector<float> got = to_host(y, n, true);
-              if (y_ref.empty()) y_ref = got;
+              std::vector<float>& ref = y_ref[residual];
+              if (ref.empty()) ref = got;
               double diff = 0;
               for (int64_t i = 0; i < n; ++i) {
-                const double d = std::abs(double(got[i]) - y_ref[i]);
-                diff = std::max(diff, d / (1 + std::abs(y_ref[i])));
+                const double d = std::abs(double(got[i]) - ref[i]);
+                diff = std::max(diff, d / (1 + std::abs(ref[i])));
               }
               std::printf("  y-diff %.1e", diff);
             }
+            kernel<<<grid, threads, 0, s>>>(fa);  // y of x, checked with dx
           }
           std::printf("\n");
           return cudaSuccess;
@@ -361,10 +417,28 @@ int main(int argc, char** argv) {
     few_fwd(one{}, yes{}, yes{}, one{}, false);
     few_fwd(four{}, yes{}, no{}, one{}, false);
     few_fwd(four{}, yes{}, yes{}, one{}, false);
-    if (c.rows <= 4 * sms) {  // two blocks a row; the row length fixed
+    if (c.rows <= 4 * sms) {  // two blocks a row; the row length fixed; the residual
       few_fwd(two{}, yes{}, yes{}, two{}, false);
       few_fwd(two{}, yes{}, yes{}, one{}, true);
       few_fwd(two{}, yes{}, yes{}, two{}, true);
+      few_fwd(two{}, yes{}, yes{}, one{}, true, true);
+      // What the forward's bytes alone take here: one kernel that copies
+      // x to y (and residual to new_residual), the decode kernels' pattern
+      // without their reduction.
+      const int64_t vecs = n * 2 / 16;
+      const unsigned copy_grid = unsigned((vecs + 511) / 512);
+      for (bool with_res : {false, true}) {
+        const float us = time_us(s, [&] {
+          copy2_kernel<<<copy_grid, 256, 0, s>>>(
+              reinterpret_cast<const uint4*>(x), reinterpret_cast<uint4*>(y),
+              with_res ? reinterpret_cast<const uint4*>(res) : nullptr,
+              with_res ? reinterpret_cast<uint4*>(h) : nullptr, vecs);
+        });
+        const double bytes = 2.0 * n * 2 * (with_res ? 2 : 1);
+        std::printf("%-3s %-9s %12s %5s %4d %3d %6u %6s %9.1f %6.0f %4.0f%%\n", op, "copy", shape,
+                    with_res ? "x+r" : "x", 256, 1, copy_grid, "-", us, bytes / us / 1e3,
+                    100 * bytes / us / 1e3 / copy);
+      }
     }
     // The few-rows backward as planned (f*: one block for one row, fk* the
     // column plan), and the column plan's two launches alone (fk-dots,
@@ -394,7 +468,7 @@ int main(int argc, char** argv) {
       });
     }
     CHECK(cudaStreamSynchronize(s));
-    for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)w, (void*)b,
+    for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)res, (void*)h, (void*)w, (void*)b,
                     (void*)dw, (void*)dbias, (void*)mean, (void*)rstd, (void*)partial}) {
       CHECK(cudaFree(p));
     }

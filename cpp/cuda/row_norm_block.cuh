@@ -258,12 +258,14 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual,
 }
 
 // Whether the decode forward gives each row two blocks: for LayerNorm where
-// no SM gets two, for RMSNorm where half the SMs are left without one. On an
-// H200 (bf16), two blocks a row took 3-8% less time at 1 to 32 rows; at 64
-// rows, 2% less for LayerNorm 4096 wide and 8% at 8192, and for RMSNorm no
-// less, or up to 4% more (benchmarks/NOTES.md, v8 and v9).
+// no SM gets two, for RMSNorm up to two rows an SM. On an H200 (bf16), two
+// blocks a row took 3-8% less time at 1 to 32 rows; at 64 rows, 2% less for
+// LayerNorm 4096 wide and 8% at 8192 (v8, v9). RMSNorm with its row length
+// fixed (v9) gained at every decode shape measured, 1 to 256 rows of 4096 and
+// 8192: 0.1-0.3 µs, 256x8192 3.1 -> 2.9 (benchmarks/NOTES.md, v13); LayerNorm
+// at 256x8192 lost (3.5 -> 4.4).
 inline bool split_rows(int64_t rows, int sms, bool centered) {
-  return (centered ? 2 : 4) * rows <= sms;
+  return centered ? 2 * rows <= sms : rows <= 2 * int64_t(sms);
 }
 
 // Calls f(std::integral_constant<int, V>) with V = nvec for the row lengths
