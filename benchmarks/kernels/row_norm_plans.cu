@@ -327,7 +327,7 @@ int main(int argc, char** argv) {
       if (bwd_smem_bytes<bf16, bf16, bf16, VEC>(p, H, true, regions) > info.max_dynamic_smem) continue;
       if (nv > kMaxBwdNv) continue;
       const char* mark = mark_of(bwd_plan, few.blocks > 0);
-      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, info);
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, true, info);
       char name[16];
       std::snprintf(name, sizeof name, "%2d%s", nv, mark);
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,

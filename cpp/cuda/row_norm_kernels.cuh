@@ -622,7 +622,11 @@ struct BwdSmem {
   }
 };
 
-template <typename X, typename G, typename W, int VEC, int NV>
+// kPlain: no dres to add and the scale applied as it is (not zero-centered),
+// as in every plain RMSNorm and LayerNorm backward: with those compiled in the
+// kernel executed 8% more instructions and took 9-13% longer than without
+// (benchmarks/NOTES.md, v13).
+template <typename X, typename G, typename W, int VEC, int NV, bool kPlain>
 __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
@@ -695,7 +699,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         xh[e] = (xh[e] - mean) * rstd;
-        g[e] = a.has_scale ? d[e] * (w[e] + A(a.scale_offset)) : d[e];
+        g[e] = a.has_scale ? d[e] * (kPlain ? w[e] : w[e] + A(a.scale_offset)) : d[e];
       }
     };
     A s[2] = {0, 0};
@@ -728,9 +732,11 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
       // dres at its use: loaded with x and dy, NV vectors of it took up to 27
       // more registers, which this kernel's occupancy cannot spare.
-      Dres<X, VEC> dres;
-      dres.load(a, base + c * VEC);
-      dres.add_to(o, a);
+      if constexpr (!kPlain) {
+        Dres<X, VEC> dres;
+        dres.load(a, base + c * VEC);
+        dres.add_to(o, a);
+      }
       store_vec(dxr + c * VEC, o);
     }
   }
@@ -924,16 +930,16 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
 
 template <typename X, typename G, typename W, int VEC>
 BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_scale,
-                                 int regions, const DeviceInfo& dev) {
+                                 int regions, bool plain, const DeviceInfo& dev) {
   BwdLaunch<X, G, W, VEC> l;
   l.plan = plan;
   l.regions = regions;
   if (plan.nv == 0) {
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
-    l.kernel = with_variant<VEC, kMaxBwdNv>(plan, [](auto v) {
+    l.kernel = with_variant<VEC, kMaxBwdNv>(plan, [plain](auto v) {
       using V = decltype(v);
-      return &bwd_regs<X, G, W, VEC, V::nv>;
+      return plain ? &bwd_regs<X, G, W, VEC, V::nv, true> : &bwd_regs<X, G, W, VEC, V::nv, false>;
     });
     l.stage_scale = staged_param_bytes<W, VEC>(hidden, int(has_scale)) > 0;
     l.smem = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions);
