@@ -1,31 +1,41 @@
 """RMSNorm, LayerNorm and fused add+RMSNorm: jaxnorm against XLA's fused jnp
-implementation of the same math (same dtypes, float32 statistics), as device
-kernel time. Decode shapes (1 to 256 rows) for the forwards of RMSNorm and
-add+RMSNorm.
+implementation of the same math (same dtypes, float32 statistics) and, where
+they import, PyTorch eager, torch.compile and Liger-Kernel (torch_peers.py),
+as device kernel time, forward and forward+backward, on the large shapes and
+the decode shapes (more decode shapes for the forwards of RMSNorm and
+add+RMSNorm).
 
 add+RMSNorm forward, jaxnorm: the fused kernel's time, as in a model or with x
 and residual donated, where it works in place; a standalone call on inputs that
 stay live adds XLA's copies of them first (listed in the log, not counted).
 
-Prints a markdown table and writes the same records as JSON:
+Prints a markdown table and writes it, the records (JSON) and a chart of the
+bandwidth each implementation reaches (PNG, with matplotlib):
   python benchmarks/bench_row_norm.py --out DIR
+--ops and --shapes measure some cases only; --update then keeps the other
+cases' records from an earlier run's JSON in DIR (and says so in the table).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import platform
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from devtime import copy_bandwidth_gbps, kernel_times, write_results
+import torch_peers
+from devtime import copy_bandwidth_gbps, kernel_times, results_stem, write_results
 
 import jaxnorm
 
-SHAPES = [(16384, 4096), (4096, 8192), (65536, 1024), (8192, 12288), (64, 4096), (1, 4096)]
-DECODE = [(t, h) for h in (4096, 8192) for t in (1, 8, 64, 256)]
+LARGE = [(16384, 4096), (4096, 8192), (65536, 1024), (8192, 12288), (2048, 32768),
+         (512, 65536)]
+DECODE = [(1, 4096), (64, 4096), (256, 4096)]
+DECODE_FWD = [(t, h) for h in (4096, 8192) for t in (1, 8, 64, 256)]
 
 
 def xla_rms_norm(x, scale, epsilon=1e-6):
@@ -71,13 +81,7 @@ def inputs(op, shape, dtype):
 
 
 def timed(op, impl, pass_, shape, dtype):
-    f = IMPLS[op][impl]
-    x, params, dy = inputs(op, shape, dtype)
-    if pass_ == "fwd":
-        fn, args = jax.jit(f), (x, *params)
-    else:  # the primal output is unused, as under jax.grad
-        fn, args = jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), (x, dy, *params)
-    kernels = kernel_times(fn, *args)
+    kernels = kernel_times(*_jax_call(op, impl, pass_, shape, dtype))
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
     detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
     print(f"# {op} {pass_} {shape} {impl}: {detail}", flush=True)
@@ -86,10 +90,99 @@ def timed(op, impl, pass_, shape, dtype):
     return sum(kernels.values())
 
 
+def _jax_call(op, impl, pass_, shape, dtype):
+    f = IMPLS[op][impl]
+    x, params, dy = inputs(op, shape, dtype)
+    if pass_ == "fwd":
+        return jax.jit(f), x, *params
+    # the primal output is unused, as under jax.grad
+    return jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), x, dy, *params
+
+
 def shapes_for(op, pass_, shapes):
-    if pass_ == "fwd" and op != "layer_norm" and shapes == SHAPES:
-        return SHAPES[:4] + DECODE
-    return shapes
+    if shapes is not None:
+        return shapes
+    return LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
+
+
+def measure(ops, shapes, dtype, peers):
+    cases = [(op, pass_, shape) for op in ops for pass_ in ("fwd", "fwd+bwd")
+             for shape in shapes_for(op, pass_, shapes)]
+    times = {(op, pass_, shape): {impl: timed(op, impl, pass_, shape, dtype)
+                                  for impl in IMPLS[op]}
+             for op, pass_, shape in cases}
+    if peers:
+        for case, peer_times in torch_peers.run(cases, peers, dtype.name).items():
+            times[case].update(peer_times)
+    records = []
+    for (op, pass_, shape), by_impl in times.items():
+        nbytes = BYTES[pass_, op.startswith("add")] * shape[0] * shape[1] * dtype.itemsize
+        for impl, us in by_impl.items():
+            records.append(dict(
+                op=op, **{"pass": pass_}, shape=list(shape), dtype=dtype.name, impl=impl,
+                us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
+                vs_xla=round(by_impl["xla"] / us, 3),
+            ))
+    return records
+
+
+def table(records, copy):
+    """The markdown table: one line per case, with jaxnorm's speed-up over
+    each other implementation."""
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    cases = {}
+    for r in records:
+        cases.setdefault((r["op"], r["pass"], tuple(r["shape"])), {})[r["impl"]] = r
+    head = ["op", "pass", "shape", *[f"{i} µs" for i in impls], "jaxnorm % of copy",
+            *[f"vs {i}" for i in impls if i != "jaxnorm"]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    for (op, pass_, shape), by_impl in cases.items():
+        ours = by_impl.get("jaxnorm")
+        cells = [op, pass_, f"{shape[0]}x{shape[1]}"]
+        cells += [f"{by_impl[i]['us']:.1f}" if i in by_impl else "-" for i in impls]
+        cells.append(f"{100 * ours['gbps'] / copy:.0f}%" if ours else "-")
+        cells += [f"{by_impl[i]['us'] / ours['us']:.2f}" if ours and i in by_impl else "-"
+                  for i in impls if i != "jaxnorm"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def chart(records, copy, title, path):
+    """Bandwidth reached per op, pass, shape and implementation, with the copy
+    ceiling, as a PNG (skipped without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("# no matplotlib: no chart")
+        return
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    panels = list(dict.fromkeys((r["op"], r["pass"]) for r in records))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(14, 3.6 * len(panels)), squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, (op, pass_) in zip(axes[:, 0], panels):
+        rs = [r for r in records if (r["op"], r["pass"]) == (op, pass_)]
+        shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rs))
+        for k, impl in enumerate(impls):
+            xs, ys = [], []
+            for j, shape in enumerate(shapes):
+                for r in rs:
+                    if r["impl"] == impl and tuple(r["shape"]) == shape:
+                        xs.append(j + (k - (len(impls) - 1) / 2) * width)
+                        ys.append(r["gbps"])
+            ax.bar(xs, ys, width, label=impl)
+        ax.axhline(copy, color="black", linestyle="--", linewidth=1)
+        ax.text(len(shapes) - 0.5, copy, f"copy {copy:.0f} GB/s", ha="right", va="bottom")
+        ax.set_xticks(range(len(shapes)), [f"{t}x{h}" for t, h in shapes], fontsize=8)
+        ax.set_ylabel("GB/s")
+        ax.set_ylim(0, copy * 1.15)
+        ax.set_title(f"{op} {pass_}", loc="left")
+    axes[0, 0].legend(ncol=len(impls), loc="upper right", bbox_to_anchor=(1, 1.35))
+    fig.suptitle(title, y=0.995)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"# chart: {path}")
 
 
 def main():
@@ -97,47 +190,79 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default=None, help="e.g. 64x256,8x128 (default: the full set)")
+    ap.add_argument("--ops", default=",".join(IMPLS))
+    ap.add_argument("--no-peers", action="store_true", help="jaxnorm and XLA only")
+    ap.add_argument("--update", action="store_true",
+                    help="keep the records of cases not measured now from DIR's JSON")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
-    shapes = SHAPES
+    shapes = None
     if args.shapes:
         shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    ops = args.ops.split(",")
     device = jax.devices()[0].device_kind
     copy = copy_bandwidth_gbps()
-    records = []
-    for op in IMPLS:
-        for pass_ in ("fwd", "fwd+bwd"):
-            for shape in shapes_for(op, pass_, shapes):
-                n = shape[0] * shape[1] * dtype.itemsize
-                nbytes = BYTES[pass_, op.startswith("add")] * n
-                times = {impl: timed(op, impl, pass_, shape, dtype) for impl in IMPLS[op]}
-                for impl, us in times.items():
-                    records.append(dict(
-                        op=op, **{"pass": pass_}, shape=list(shape), dtype=dtype.name,
-                        impl=impl, us=round(us, 2), gbps=round(nbytes / us / 1e3, 1),
-                        vs_xla=round(times["xla"] / us, 3),
-                    ))
+    peers = [] if args.no_peers else torch_peers.available()
+    print(f"# peers: {peers or 'none'}", flush=True)
+    records = measure(ops, shapes, dtype, peers)
+    stem = results_stem(args.out, "row_norm", device)
+    earlier = None
+    if args.update and os.path.exists(stem + ".json"):
+        with open(stem + ".json") as f:
+            earlier = json.load(f)
+        new = {_case(r) for r in records}
+        kept = [r for r in earlier["records"] if _case(r) not in new]
+        records = _in_order(kept + records)
     meta = dict(
         device=device, date=datetime.date.today().isoformat(), copy_gbps=round(copy, 1),
         jax=jax.__version__, jaxnorm=jaxnorm.__version__, python=platform.python_version(),
+        peers=peers, torch=_torch_version(),
         bytes="fwd: read x + write y; fwd+bwd: read x, dy + write dx (primal output unused); "
               "add_rms_norm fwd: read x, residual + write y, h; fwd+bwd: read x, residual, "
-              "dy, dh + write dx (= dresidual)",
+              "dy, dh + write dx (= dresidual). torch's forward+backward also writes y.",
     )
+    if earlier is not None:
+        base = earlier["meta"]
+        meta["updated"] = base.get("updated", []) + [dict(
+            date=meta["date"], copy_gbps=meta["copy_gbps"], ops=ops,
+            shapes=[list(s) for s in shapes] if shapes else "all")]
+        meta.update(date=base["date"], copy_gbps=base["copy_gbps"])
+        copy = base["copy_gbps"]
+    title = (f"{device}, {dtype.name}, {meta['date']}: bandwidth = fewest bytes / device "
+             f"kernel time")
     lines = [
-        f"Device: {device}; date {meta['date']}; jax {jax.__version__}; "
-        f"measured copy bandwidth {copy:.0f} GB/s; dtype {dtype.name}; device kernel time.",
-        "",
-        "| op | pass | shape | impl | µs | GB/s | % of copy | speed-up vs XLA |",
-        "|---|---|---|---|---:|---:|---:|---:|",
+        f"Device: {device}; date {meta['date']}; jax {jax.__version__}; torch "
+        f"{meta['torch']}; measured copy bandwidth {copy:.0f} GB/s; dtype {dtype.name}; "
+        "device kernel time (µs); vs X: X's time over jaxnorm's (above 1: jaxnorm faster).",
+        *[f"Re-measured later ({u['date']}, copy {u['copy_gbps']:.0f} GB/s): ops "
+          f"{', '.join(u['ops'])} at shapes {u['shapes']}." for u in meta.get("updated", [])],
+        "", meta["bytes"], "", *table(records, copy),
     ]
-    for r in records:
-        lines.append(
-            f"| {r['op']} | {r['pass']} | {r['shape'][0]}x{r['shape'][1]} | {r['impl']} | "
-            f"{r['us']:.1f} | {r['gbps']:.0f} | {100 * r['gbps'] / copy:.0f}% | "
-            f"{r['vs_xla']:.2f} |"
-        )
     write_results(args.out, "row_norm", device, meta, records, "\n".join(lines))
+    chart(records, copy, title, stem + ".png")
+
+
+def _case(r):
+    return r["op"], r["pass"], tuple(r["shape"]), r["impl"]
+
+
+def _in_order(records):
+    """Records in the order of a full run: ops, passes, shapes."""
+    ops, passes = list(IMPLS), ["fwd", "fwd+bwd"]
+    def key(r):
+        shapes = shapes_for(r["op"], r["pass"], None)
+        shape = tuple(r["shape"])
+        return (ops.index(r["op"]), passes.index(r["pass"]),
+                shapes.index(shape) if shape in shapes else len(shapes))
+    return sorted(records, key=key)
+
+
+def _torch_version():
+    try:
+        import torch
+        return torch.__version__
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

@@ -39,9 +39,14 @@ def kernel_times(fn, *args, iters: int = 20, warmup: int = 3) -> dict[str, float
             for event in line.events:
                 if "Memcpy" in event.name:
                     continue
-                durations[event.name].append(event.duration_ns)
+                durations[event.name].append(event.duration_ns / 1e3)
+    return sum_kernel_medians(durations, iters)
+
+
+def sum_kernel_medians(durations: dict[str, list[float]], iters: int) -> dict[str, float]:
+    """Per kernel name: its median duration times its launches per call."""
     return {
-        name: statistics.median(d) / 1e3 * round(len(d) / iters)
+        name: statistics.median(d) * round(len(d) / iters)
         for name, d in durations.items()
         if round(len(d) / iters) > 0
     }
@@ -71,13 +76,17 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / t / 1e3
 
 
+def results_stem(out_dir: str, name: str, device: str) -> str:
+    return os.path.join(out_dir, f"{name}_" + device.replace(" ", "_"))
+
+
 def write_results(out_dir: str, name: str, device: str, meta: dict, records: list,
                   table: str) -> None:
     """Prints the markdown table and writes it and the records (JSON) as
     out_dir/<name>_<device>.{md,json}."""
     print(table)
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{name}_" + device.replace(" ", "_"))
+    stem = results_stem(out_dir, name, device)
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, records=records), f, indent=1)
     with open(stem + ".md", "w") as f:

@@ -4,8 +4,10 @@
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
 # STEPS picks what runs after the build (unset: tests plans bench; also
-# "examples", which runs examples/ on the machine's GPUs, and "model", the
-# Llama-style model benchmark); SKIP_BUILD=1 keeps an earlier build; the
+# "examples", which runs examples/ on the machine's GPUs, "model", the
+# Llama-style model benchmark, and "sanitize", the row-norm tests under
+# compute-sanitizer's SANITIZE_TOOLS); SKIP_BUILD=1 keeps an earlier build;
+# BENCH_ARGS go to bench_row_norm.py; the
 # step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -17,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
-if [ -d .whl ]; then  # test-only wheels the machine may lack (pytest)
+if [ -d .whl ]; then  # wheels the machine may lack (pytest; Liger-Kernel, a benchmark peer)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && \
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -67,6 +69,21 @@ if step ncu; then
   fi
 fi
 
+if step sanitize; then
+  # XLA's platform allocator gives each buffer its own cudaMalloc, so that
+  # memcheck sees the bounds of each; only jaxnorm's kernels are instrumented.
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    echo "== compute-sanitizer $tool"
+    (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${SANITIZE_TIMEOUT:-280}" \
+        compute-sanitizer --tool "$tool" --kernel-name kns=jaxnorm --error-exitcode 3 \
+        python3 -m pytest -q -p no:cacheprovider ${SANITIZE_TESTS:-$repo/tests/test_row_norm.py $repo/tests/test_add_norm.py}) \
+        > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "exit status $?" >> "$OUT/sanitizer_$tool.log"
+    grep -E "SUMMARY|passed|failed|exit status" "$OUT/sanitizer_$tool.log" | tail -4
+  done
+fi
+
 if step plans; then
   echo "== kernel plans (C++, every register-path plan)"
   jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
@@ -82,7 +99,8 @@ fi
 
 if step bench; then
   echo "== benchmarks"
-  (cd benchmarks && python3 bench_row_norm.py --out "$OUT") 2>&1 | tee "$OUT/bench.log" | tail -40
+  (cd benchmarks && python3 bench_row_norm.py --out "$OUT" ${BENCH_ARGS:-}) 2>&1 \
+    | tee "$OUT/bench.log" | tail -40
 fi
 if step model; then
   echo "== model benchmark"

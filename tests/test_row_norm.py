@@ -175,9 +175,13 @@ def check_grads64(op, x, scale, bias, dy, ndim=1):
 # number of a thread's vectors nor of a column block's (7x2052 float32: 513
 # vectors), float16 and float64 rows, 300 rows (each thread of a column block
 # takes 5); a block smaller than a warp (generic kernels); rows too long for
-# one block (3x65536). Over 528 rows: one block a row at 1024-32768 wide (4
-# vectors a thread with y, 8 for statistics only, 16384 and 32768 the
-# widest); short rows several to a block (statistics of 1024-wide rows);
+# the decode kernels (3x65536: the forward 16 vectors a thread, the
+# backward a cluster of 8 blocks a row). Over 528 rows: one block a row at
+# 1024-65536 wide (4 vectors a thread with y, 8 for statistics only; with y,
+# 8 at 32768 and 16 at 65536); the backward of rows over 2048 vectors in
+# clusters of 4 or 8 blocks, each a slice of the row (32768 and 65536 bf16),
+# slices of unequal length (16392 bf16 and 8196 float32: 2049 vectors, 4
+# slices); short rows several to a block (statistics of 1024-wide rows);
 # statistics of 2048-wide rows (the generic 8-vector plan); parameters of
 # another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
 # bf16 scale, rows not whole 16-byte chunks of it).
@@ -202,6 +206,9 @@ PLAN_CASES = [
     ((700, 2052), jnp.float32, jnp.bfloat16),
     ((540, 16384), jnp.bfloat16, jnp.float32),
     ((540, 32768), jnp.bfloat16, jnp.bfloat16),
+    ((530, 65536), jnp.bfloat16, jnp.float32),
+    ((600, 16392), jnp.bfloat16, jnp.bfloat16),
+    ((550, 8196), jnp.float32, jnp.float32),
     ((600, 2048), jnp.bfloat16, jnp.bfloat16),
 ]
 
@@ -348,15 +355,26 @@ def test_rows_keep_their_bits_in_any_batch(op, hidden, dtype):
             np.testing.assert_array_equal(np.asarray(got), want[:rows])
 
 
-@pytest.mark.parametrize("rows", [4096, 100])  # on a GPU: partial rows; the column plan
-def test_backward_is_deterministic(rows):
-    x = rand(81, (rows, 512), jnp.float32)
-    scale, bias = params("layer_norm", 81, (512,), jnp.float32)
-    dy = rand(82, (rows, 512), jnp.float32)
-    f = jax.jit(lambda *a: jax.vjp(jaxnorm.layer_norm, *a)[1](dy))
-    first = f(x, scale, bias)
+# On a GPU: partial rows of the persistent kernel (4096x512, and 600x8192 with
+# the scale read from global memory), the column plan (100x512), the long path
+# (600x32768).
+@pytest.mark.parametrize("op", [*OPS, "add_rms_norm"])
+@pytest.mark.parametrize("shape,dtype", [((4096, 512), jnp.float32), ((100, 512), jnp.float32),
+                                         ((600, 8192), jnp.bfloat16),
+                                         ((600, 32768), jnp.bfloat16)], ids=str)
+def test_backward_is_deterministic(op, shape, dtype):
+    """The same inputs give bitwise the same gradients, dscale/dbias included."""
+    x = rand(81, shape, dtype)
+    scale, bias = params("layer_norm" if op == "layer_norm" else "rms_norm", 81, shape[-1:], dtype)
+    dy = rand(82, shape, dtype)
+    if op == "add_rms_norm":
+        fn, args, cot = jaxnorm.add_rms_norm, (x, rand(83, shape, dtype), scale), (dy, dy)
+    else:
+        fn, args, cot = OPS[op][0], (x, scale, bias) if bias is not None else (x, scale), dy
+    f = jax.jit(lambda *a: jax.vjp(fn, *a)[1](cot))
+    first = f(*args)
     for _ in range(3):
-        for a, b in zip(first, f(x, scale, bias)):
+        for a, b in zip(first, f(*args)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -297,6 +297,83 @@ inline ffi::Error cuda_error(cudaError_t err, const char* what) {
                               " failed: " + cudaGetErrorString(err));
 }
 
+// A launch of `grid` blocks in clusters of `cluster` along x (grid a
+// multiple of it); the configuration points at `attr`.
+inline cudaLaunchConfig_t cluster_config(unsigned grid, int threads, size_t smem, int cluster,
+                                         cudaStream_t stream, cudaLaunchAttribute& attr) {
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = unsigned(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  return config;
+}
+
+// kernel<<<grid, threads, smem>>>(args...), in clusters of `cluster` blocks
+// when cluster > 1.
+template <typename... Args>
+cudaError_t launch_clusters(void (*kernel)(Args...), unsigned grid, int threads, size_t smem,
+                            int cluster, cudaStream_t stream, Args... args) {
+  if (cluster <= 1) {
+    kernel<<<grid, threads, smem, stream>>>(args...);
+    return cudaGetLastError();
+  }
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t config = cluster_config(grid, threads, smem, cluster, stream, attr);
+  return cudaLaunchKernelEx(&config, kernel, args...);
+}
+
+// K per-block totals summed over the blocks of a thread-block cluster
+// (sm_90), in the order of their ranks in every block, so that each block
+// gets the same bits. Each call publishes the block's totals in the other of
+// two slots than the call before: a block writes a slot again only after the
+// next call's barrier, which every block reaches only after its reads of it.
+// finish() keeps the block's shared memory until no block reads it any more.
+template <typename A, int K>
+class ClusterSum {
+ public:
+  __device__ explicit ClusterSum(Packed<A, K>* slots) : slots_(slots) {}
+
+  // Every thread of every block calls it, v holding the block's totals.
+  __device__ void operator()(A (&v)[K], int parts) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    Packed<A, K>* mine = slots_ + parity_;
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) mine->v[k] = v[k];
+    }
+    __cluster_barrier_arrive();  // release: this block's totals
+    __cluster_barrier_wait();    // acquire: every block's
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = 0;
+    for (int r = 0; r < parts; ++r) {
+      const auto* p = static_cast<const Packed<A, K>*>(__cluster_map_shared_rank(mine, r));
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += p->v[k];
+    }
+    parity_ ^= 1;
+#else
+    __trap();  // never launched in clusters before sm_90
+#endif
+  }
+  __device__ void finish() const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    __cluster_barrier_arrive();
+    __cluster_barrier_wait();
+#endif
+  }
+
+ private:
+  Packed<A, K>* slots_;
+  int parity_ = 0;
+};
+
 inline ffi::Error last_launch_error(const char* what) {
   return cuda_error(cudaGetLastError(), what);
 }
@@ -312,6 +389,7 @@ struct DeviceInfo {
   // Dynamic shared memory one block may opt in to, less a margin for the
   // kernels' static shared memory.
   size_t max_dynamic_smem = 47 * 1024;
+  bool clusters = false;  // thread-block clusters (sm_90 and later)
 };
 
 inline DeviceInfo query_device(int device) {
@@ -324,6 +402,9 @@ inline DeviceInfo query_device(int device) {
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
       cudaSuccess) {
     d.max_dynamic_smem = size_t(v) - 1024;
+  }
+  if (cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess) {
+    d.clusters = v != 0;
   }
   cudaGetLastError();  // a failed query leaves the defaults
   return d;

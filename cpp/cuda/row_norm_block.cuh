@@ -247,14 +247,22 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
 // least a warp (two warps for statistics): on shorter rows the generic
 // kernels' several rows a block are faster. Measured on an H200
 // (benchmarks/NOTES.md, v6). A block is at least a warp. The fused residual
-// add holds more registers: 4 for statistics only too.
+// add holds more registers: 4 for statistics only too. Rows with y too long
+// for 512 threads at 4 take 8 or 16 a thread (up to 8192 vectors, 65536
+// bf16), with scale and bias loaded at their use (v14).
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, int sms) {
   if (rows > (int64_t(1) << 30)) return 0;
   const int few_tpr = threads_per_row(nvec, kFewNv);
   if (rows <= 4 * int64_t(sms) && few_tpr >= 32 && few_tpr <= kBlockThreads) return kFewNv;
   const int nv = write_y || residual ? 4 : 8;
   const int tpr = threads_per_row(nvec, nv);
-  return tpr >= (nv == 4 ? 32 : 64) && tpr <= fwd_block_threads(nv, write_y) ? nv : 0;
+  if (tpr < (nv == 4 ? 32 : 64)) return 0;
+  if (tpr <= fwd_block_threads(nv, write_y)) return nv;
+  if (!write_y) return 0;
+  for (int long_nv : {8, 16}) {  // long rows: no spills at 512 threads (ptxas)
+    if (threads_per_row(nvec, long_nv) <= fwd_block_threads(long_nv, true)) return long_nv;
+  }
+  return 0;
 }
 
 // Whether the decode forward gives each row two blocks: for LayerNorm where
@@ -322,6 +330,8 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
       });
     }
+    if (nv == 8) return launch(fwd_block<X, Y, W, VEC, 8, kC, true, false>);
+    if (nv == 16) return launch(fwd_block<X, Y, W, VEC, 16, kC, true, false>);
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
     const bool cheap =

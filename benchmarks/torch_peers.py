@@ -1,0 +1,194 @@
+"""The PyTorch-side peers of the row-norm benchmark: torch's own kernels
+(eager), torch.compile of the same float32-statistics math as the XLA
+reference, and Liger-Kernel's Triton kernels (with float32 math throughout,
+its "gemma" casting mode). All optional: `available()` lists what imports.
+
+Times are device kernel time, as for JAX: the call runs `iters` times under
+torch.profiler, and each kernel's median duration is summed over the kernels
+one call launches (devtime.sum_kernel_medians). Both profilers use CUPTI, which
+one process cannot hand from one to the other: `run` times the peers in a
+process of their own.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from devtime import sum_kernel_medians
+
+EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6}
+
+
+def available() -> list[str]:
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    impls = ["torch", "torch.compile"]
+    try:
+        import liger_kernel.ops.rms_norm  # noqa: F401
+        impls.append("liger")
+    except ImportError:
+        pass
+    return impls
+
+
+def _reference(op):
+    """The math of the XLA reference, for torch.compile."""
+    import torch
+
+    def rms(x, w):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + EPS["rms_norm"])
+        return (xf * rstd * w.float()).to(x.dtype)
+
+    def layer(x, w, b):
+        xf = x.float()
+        xc = xf - xf.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(xc.square().mean(-1, keepdim=True) + EPS["layer_norm"])
+        return (xc * rstd * w.float() + b.float()).to(x.dtype)
+
+    def add_rms(x, r, w):
+        h = x + r
+        return rms(h, w), h
+
+    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms}[op]
+
+
+def _eager(op):
+    import torch.nn.functional as F
+
+    def rms(x, w):
+        return F.rms_norm(x, (x.shape[-1],), w, EPS["rms_norm"])
+
+    def layer(x, w, b):
+        return F.layer_norm(x, (x.shape[-1],), w, b, EPS["layer_norm"])
+
+    def add_rms(x, r, w):
+        h = x + r
+        return rms(h, w), h
+
+    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms}[op]
+
+
+def _liger(op):
+    if op == "rms_norm":
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+        return lambda x, w: LigerRMSNormFunction.apply(x, w, EPS[op], 0.0, "gemma", False)
+    if op == "layer_norm":
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS[op])
+    from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction
+    return lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS[op], 0.0, "gemma",
+                                                              False)
+
+
+def _function(op, impl):
+    import torch
+    if impl == "torch":
+        return _eager(op)
+    if impl == "liger":
+        return _liger(op)
+    torch._dynamo.reset()  # a fresh static-shape compilation for each case
+    return torch.compile(_reference(op), dynamic=False)
+
+
+def _inputs(op, shape, dtype, grad):
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*s):
+        return torch.randn(*s, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+    x = randn(*shape)
+    params = [randn(shape[-1]) + 1]
+    if op == "add_rms_norm":
+        params.insert(0, randn(*shape))
+    if op == "layer_norm":
+        params.append(randn(shape[-1]))
+    args = [a.requires_grad_(grad) for a in (x, *params)]
+    cotangents = [randn(*shape) for _ in range(2 if op == "add_rms_norm" else 1)]
+    return args, cotangents
+
+
+def kernel_times(fn, iters: int = 20, warmup: int = 3) -> dict[str, float]:
+    """Median device duration (µs) per kernel name, times its launches per call."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    durations = collections.defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memset"):
+            durations[e["name"]].append(e["dur"])
+    return sum_kernel_medians(durations, iters)
+
+
+def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, float]:
+    """Kernel times of one peer call: the forward, or the forward and the
+    gradients of every input (torch's forward also writes y)."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    f = _function(op, impl)
+    args, cotangents = _inputs(op, shape, dtype, pass_ != "fwd")
+    if pass_ == "fwd":
+        def call():
+            with torch.no_grad():
+                return f(*args)
+    else:
+        def call():
+            out = f(*args)
+            out = out if isinstance(out, tuple) else (out,)
+            return torch.autograd.grad(out, args, cotangents)
+    return kernel_times(call)
+
+
+def run(cases, impls, dtype_name: str) -> dict:
+    """Times `impls` on each (op, pass, shape) case in a child process:
+    {case: {impl: µs}}; a case an implementation cannot run is left out."""
+    request = json.dumps(dict(cases=cases, impls=impls, dtype=dtype_name))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], input=request,
+                          stdout=subprocess.PIPE, text=True, check=True)
+    times = collections.defaultdict(dict)
+    for op, pass_, shape, impl, us in json.loads(proc.stdout):
+        times[op, pass_, tuple(shape)][impl] = us
+    return times
+
+
+def main():
+    request = json.load(sys.stdin)
+    out = []
+    for op, pass_, shape in request["cases"]:
+        for impl in request["impls"]:
+            try:
+                kernels = timed(op, impl, pass_, tuple(shape), request["dtype"])
+            except Exception as e:  # a peer that cannot run a case
+                print(f"# {op} {pass_} {tuple(shape)} {impl} failed: {e!r}"[:400],
+                      file=sys.stderr, flush=True)
+                continue
+            ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+            detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
+            print(f"# {op} {pass_} {tuple(shape)} {impl}: {detail}", file=sys.stderr, flush=True)
+            out.append((op, pass_, shape, impl, sum(kernels.values())))
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
