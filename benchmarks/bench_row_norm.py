@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch_peers
-from devtime import copy_bandwidth_gbps, kernel_times, results_stem, write_results
+from devtime import (
+    copy_bandwidth_gbps,
+    kernel_summary,
+    kernel_times,
+    results_stem,
+    write_results,
+)
 
 import jaxnorm
 
@@ -82,9 +88,7 @@ def inputs(op, shape, dtype):
 
 def timed(op, impl, pass_, shape, dtype):
     kernels = kernel_times(*_jax_call(op, impl, pass_, shape, dtype))
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
-    detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
-    print(f"# {op} {pass_} {shape} {impl}: {detail}", flush=True)
+    print(f"# {op} {pass_} {shape} {impl}: {kernel_summary(kernels)}", flush=True)
     if op == "add_rms_norm" and pass_ == "fwd" and impl == "jaxnorm":
         return sum(us for name, us in kernels.items() if "jaxnorm" in name)
     return sum(kernels.values())

@@ -52,6 +52,12 @@ def sum_kernel_medians(durations: dict[str, list[float]], iters: int) -> dict[st
     }
 
 
+def kernel_summary(kernels: dict[str, float]) -> str:
+    """The kernels of a call, longest first: 'name µs, ...' (names cut to 40)."""
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
+
+
 def kernel_times_or_wall(fn, *args, iters: int = 20, warmup: int = 3) -> dict[str, float]:
     """kernel_times, or where there is no GPU plane (a CPU run), the wall-clock
     time of a call as one entry."""

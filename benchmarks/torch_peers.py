@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from devtime import sum_kernel_medians
+from devtime import kernel_summary, sum_kernel_medians
 
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6}
 
@@ -183,9 +183,8 @@ def main():
                 print(f"# {op} {pass_} {tuple(shape)} {impl} failed: {e!r}"[:400],
                       file=sys.stderr, flush=True)
                 continue
-            ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
-            detail = ", ".join(f"{name[:40]} {us:.1f}" for name, us in ranked)
-            print(f"# {op} {pass_} {tuple(shape)} {impl}: {detail}", file=sys.stderr, flush=True)
+            print(f"# {op} {pass_} {tuple(shape)} {impl}: {kernel_summary(kernels)}",
+                  file=sys.stderr, flush=True)
             out.append((op, pass_, shape, impl, sum(kernels.values())))
     json.dump(out, sys.stdout)
 

@@ -334,44 +334,44 @@ def test_nonfinite_rows_stay_in_their_row(op):
     assert_close(y[good], norm_np(x[good], scale, bias, eps, centered, 1), jnp.float32)
 
 
+def op_inputs(op, seed, shape, dtype):
+    """(fn, args, row_args) for op in OPS or "add_rms_norm": args' first
+    row_args have x's shape (x, and residual for add_rms_norm)."""
+    x = rand(seed, shape, dtype, offset=0.5)
+    scale, bias = params("layer_norm" if op == "layer_norm" else "rms_norm", seed, shape[-1:],
+                         dtype)
+    if op == "add_rms_norm":
+        return jaxnorm.add_rms_norm, (x, rand(seed + 3, shape, dtype), scale), 2
+    return OPS[op][0], (x, scale) if bias is None else (x, scale, bias), 1
+
+
 @pytest.mark.parametrize("op", [*OPS, "add_rms_norm"])
 @pytest.mark.parametrize("hidden,dtype", [(4096, jnp.bfloat16), (2052, jnp.float32)], ids=str)
 def test_rows_keep_their_bits_in_any_batch(op, hidden, dtype):
     # On a GPU, 1-300 rows take the decode kernels, with one block a row or
     # two (each reducing the whole row: RMSNorm up to 264 rows, LayerNorm up
     # to 66), which add up a row's sums in the same tree.
-    x = rand(91, (300, hidden), dtype, offset=0.5)
-    scale, bias = params("layer_norm" if op == "layer_norm" else "rms_norm", 91, (hidden,), dtype)
-    if op == "add_rms_norm":
-        residual = rand(92, (300, hidden), dtype)
-        f = jax.jit(lambda x, r: jaxnorm.add_rms_norm(x, r, scale))
-    else:
-        f = jax.jit(lambda x, r: call(op, x, scale, bias))
-        residual = x
-    whole = jax.tree.map(np.asarray, f(x, residual))
+    fn, args, row_args = op_inputs(op, 91, (300, hidden), dtype)
+    f = jax.jit(fn)
+    whole = jax.tree.map(np.asarray, f(*args))
     for rows in (1, 8, 64, 256):
-        part = f(x[:rows], residual[:rows])
+        part = f(*[a[:rows] for a in args[:row_args]], *args[row_args:])
         for got, want in zip(jax.tree.leaves(part), jax.tree.leaves(whole)):
             np.testing.assert_array_equal(np.asarray(got), want[:rows])
 
 
 # On a GPU: partial rows of the persistent kernel (4096x512, and 600x8192 with
-# the scale read from global memory), the column plan (100x512), the long path
-# (600x32768).
+# the scale read from global memory), the column plan (100x512), a cluster of
+# blocks a row (600x32768).
 @pytest.mark.parametrize("op", [*OPS, "add_rms_norm"])
 @pytest.mark.parametrize("shape,dtype", [((4096, 512), jnp.float32), ((100, 512), jnp.float32),
                                          ((600, 8192), jnp.bfloat16),
                                          ((600, 32768), jnp.bfloat16)], ids=str)
 def test_backward_is_deterministic(op, shape, dtype):
     """The same inputs give bitwise the same gradients, dscale/dbias included."""
-    x = rand(81, shape, dtype)
-    scale, bias = params("layer_norm" if op == "layer_norm" else "rms_norm", 81, shape[-1:], dtype)
+    fn, args, row_args = op_inputs(op, 81, shape, dtype)
     dy = rand(82, shape, dtype)
-    if op == "add_rms_norm":
-        fn, args, cot = jaxnorm.add_rms_norm, (x, rand(83, shape, dtype), scale), (dy, dy)
-    else:
-        fn, args, cot = OPS[op][0], (x, scale, bias) if bias is not None else (x, scale), dy
-    f = jax.jit(lambda *a: jax.vjp(fn, *a)[1](cot))
+    f = jax.jit(lambda *a: jax.vjp(fn, *a)[1]((dy, dy) if row_args == 2 else dy))
     first = f(*args)
     for _ in range(3):
         for a, b in zip(first, f(*args)):

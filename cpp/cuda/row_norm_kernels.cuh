@@ -310,9 +310,9 @@ struct Ring {
   static __host__ __device__ size_t bytes(int threads) {
     return kStaged ? size_t(kStages) * kTensors * NV * threads * sizeof(uint4) : 0;
   }
-  // Starts this block's first kStages - 1 row groups; issue(stage, g) starts
-  // the copies of group g into `stage`.
-  // The block takes row groups first, first + stride, ...
+  // Starts the block's first kStages - 1 row groups (it takes groups first,
+  // first + stride, ...); issue(stage, g) starts the copies of group g into
+  // `stage`.
   template <typename F>
   __device__ static void prime(F&& issue, int64_t first, int64_t stride) {
     for (int s = 0; s + 1 < kStages; ++s) {
@@ -945,8 +945,9 @@ size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int r
 }
 
 // Rows too long for a block: a cluster of blocks a row (sm_90), each a slice
-// of at most 1024 vectors (8192 bf16), as the 8192-wide rows that run fastest
-// a block (v14), up to 8 blocks, 2048 vectors each; beyond, the long path.
+// of at most 1024 vectors (8192 bf16: with the scale unstaged, two blocks an
+// SM, v14), up to 8 blocks of 2048 vectors; beyond, or without clusters, the
+// long path.
 inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev) {
   RowPlan p = plan_with_nv(rows, nvec, 0, dev.sms);
   if (!dev.clusters) return p;
