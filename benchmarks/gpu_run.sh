@@ -7,7 +7,7 @@
 # "examples", which runs examples/ on the machine's GPUs, "model", the
 # Llama-style model benchmark, and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS); SKIP_BUILD=1 keeps an earlier build;
-# BENCH_ARGS go to bench_row_norm.py; the
+# BENCH_ARGS go to bench_row_norm.py; TESTS picks test files (default: all); the
 # step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -42,7 +42,7 @@ rm -f "$OUT/build.log"  # kept only when the build fails
 tests_rc=0
 if step tests; then
   echo "== tests on the GPU"
-  (cd /tmp && python3 -m pytest -q -p no:cacheprovider "$repo/tests" 2>&1) | tee "$OUT/tests.log" | tail -15
+  (cd /tmp && python3 -m pytest -q -p no:cacheprovider ${TESTS:-$repo/tests} 2>&1) | tee "$OUT/tests.log" | tail -15
   tests_rc=${PIPESTATUS[0]}
 fi
 

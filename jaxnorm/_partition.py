@@ -131,6 +131,21 @@ def _plan(op: str, layout: RowLayout, mesh, x):
     return axes, sharding
 
 
+def lowers_unsplit(ctx) -> bool:
+    """Whether a call lowered in `ctx` runs on whole arrays, where
+    custom_partitioning would lower it unsplit too: one device, or inside
+    `shard_map` with every mesh axis manual. (Reads the lowering context as
+    custom_partitioning does; where it cannot, the call is left to
+    custom_partitioning.)"""
+    axis_context = getattr(ctx.module_context, "axis_context", None)
+    mesh = getattr(axis_context, "mesh", None)
+    manual = getattr(axis_context, "manual_axes", None)
+    if mesh is not None and manual is not None:
+        return set(manual) == set(mesh.axis_names) or mesh.size == 1
+    devices = getattr(axis_context, "device_assignment", None)
+    return devices is not None and len(devices) == 1
+
+
 def row_partitioned(
     op: str, layout: RowLayout, local: Callable[..., Sequence], *, x_arg: int = 0
 ) -> Callable[..., Sequence]:

@@ -26,6 +26,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import PartitionSpec
 
 from jaxnorm._ffi import KERNELS, TARGET_PREFIX
+from jaxnorm._partition import lowers_unsplit
 
 
 def define_kernel_primitive(
@@ -35,6 +36,7 @@ def define_kernel_primitive(
     reference: Callable[..., Sequence[jax.Array]],
     attributes: Callable[..., dict[str, Any]],
     aliases: Callable[..., dict[int, int]] | None = None,
+    rewrite_operands: Callable[..., tuple[Any, Sequence[Any]]] | None = None,
 ) -> Primitive:
     """The primitive of one FFI target `name`, on the kernel's own operands.
 
@@ -44,15 +46,19 @@ def define_kernel_primitive(
     `define_row_primitive`), after vmap, autodiff and partitioning are done.
     `aliases(avals_in, **params)` gives the operands whose buffers results
     reuse ({operand: result}); XLA copies an operand that is still live.
+    `rewrite_operands(ctx, operands, **params)` may swap the handler's MLIR
+    operands (and ctx's avals) for others it accepts, from what produced them.
     """
     prim = Primitive(TARGET_PREFIX + name + "_kernel")
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
-    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True))
+    cacheable = rewrite_operands is None  # else lowered where it is
+    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True),
+                           cacheable=cacheable)
     for platform, names in KERNELS.items():
         if name in names:
-            rule = _ffi_lowering(TARGET_PREFIX + name, attributes, aliases)
-            mlir.register_lowering(prim, rule, platform=platform)
+            rule = _ffi_lowering(TARGET_PREFIX + name, attributes, aliases, rewrite_operands)
+            mlir.register_lowering(prim, rule, platform=platform, cacheable=cacheable)
     return prim
 
 
@@ -64,6 +70,8 @@ def define_row_primitive(
     lower: Callable[..., Sequence[jax.Array]],
     row_args: Sequence[bool],
     row_outs: Sequence[bool],
+    unsplit: Callable[..., Sequence[jax.Array]] | None = None,
+    in_place: bool = False,
 ) -> Primitive:
     """A user-facing multiple-result primitive on x of shape (*rows, *normalized).
 
@@ -75,12 +83,22 @@ def define_row_primitive(
     Other results (reductions over rows, such as dscale) come from the vmapped
     reference in that case. A ``(0,)`` array stands for an argument or result
     the call lacks (a RMSNorm's mean, a forward without bias).
+    `unsplit` (same signature) is the lowering where the call runs on whole
+    arrays (`lowers_unsplit`), with no custom_partitioning around it. With
+    `in_place` the lowering is emitted where the call is rather than as a
+    cached function, so that kernel lowerings inside it see what produced
+    their operands (`define_kernel_primitive`'s rewrite_operands).
     """
     prim = Primitive(TARGET_PREFIX + name)
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(_eager_impl, prim))
-    mlir.register_lowering(prim, mlir.lower_fun(lower, multiple_results=True))
+
+    def rule(ctx, *args, **params):
+        fn = unsplit if unsplit is not None and lowers_unsplit(ctx) else lower
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args, **params)
+
+    mlir.register_lowering(prim, rule, cacheable=not in_place)
     # The lowering emits custom_partitioning, which needs the device assignment;
     # jit hands it to lowering only for primitives listed here (JAX internals,
     # as TransformerEngine's primitives use them too).
@@ -91,8 +109,11 @@ def define_row_primitive(
     return prim
 
 
-def _ffi_lowering(target: str, attributes: Callable[..., dict[str, Any]], aliases):
+def _ffi_lowering(target: str, attributes: Callable[..., dict[str, Any]], aliases,
+                  rewrite_operands):
     def rule(ctx, *args, **params):
+        if rewrite_operands:
+            ctx, args = rewrite_operands(ctx, args, **params)
         alias = aliases(ctx.avals_in, **params) if aliases else None
         lower = jax.ffi.ffi_lowering(target, operand_output_aliases=alias or None)
         return lower(ctx, *args, **attributes(**params))

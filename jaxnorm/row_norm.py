@@ -28,8 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.mlir import ir
+from jax.interpreters import mlir
 
 from jaxnorm import _checks
+from jaxnorm._ffi import TARGET_PREFIX
 from jaxnorm._partition import (
     ABSENT,
     NORM,
@@ -119,9 +122,9 @@ row_norm_fwd_kernel_p = define_kernel_primitive(
 )
 
 
-def _bwd_kernel_abstract(x, scale, mean, rstd, dy, dres, *, centered, zero_centered,
+def _bwd_kernel_abstract(x, scale, mean, rstd, dy, dres, *, epsilon, centered, zero_centered,
                          has_bias, param_dtype):
-    del mean, rstd, dy, dres, centered, zero_centered
+    del mean, rstd, dy, dres, epsilon, centered, zero_centered
     hidden = x.shape[1]
     dx = like(x, x.shape, x.dtype, (0, 1))
     dscale = like(x, scale.shape, scale.dtype, (1 if scale.shape[0] else None,))
@@ -129,8 +132,10 @@ def _bwd_kernel_abstract(x, scale, mean, rstd, dy, dres, *, centered, zero_cente
     return dx, dscale, dbias
 
 
-def _bwd_kernel_reference(x, scale, mean, rstd, dy, dres, *, centered, zero_centered,
+def _bwd_kernel_reference(x, scale, mean, rstd, dy, dres, *, epsilon, centered, zero_centered,
                           has_bias, param_dtype):
+    if x.shape[0] and _is_placeholder(rstd):  # statistics not kept: from x
+        _, mean, rstd = _row_stats(x, (), x.shape[1], epsilon, centered)
     dx, dscale, dbias = _bwd_rows(x, scale, mean, rstd, dy, dres, centered, zero_centered,
                                   has_bias, axes=(), hidden_total=x.shape[1])
     dscale = dscale.astype(scale.dtype)
@@ -169,8 +174,55 @@ def _bwd_rows(x, scale, mean, rstd, dy, dres, centered, zero_centered, has_bias,
     return dx, dscale, dbias
 
 
-def _bwd_kernel_attributes(*, centered, zero_centered, **_):
-    return {"centered": np.bool_(centered), "zero_centered": np.bool_(zero_centered)}
+def _bwd_kernel_attributes(*, epsilon, centered, zero_centered, **_):
+    return {"epsilon": np.float64(epsilon), "centered": np.bool_(centered),
+            "zero_centered": np.bool_(zero_centered)}
+
+
+def _unreshaped(value):
+    """`value` before any reshapes."""
+    while True:
+        op = getattr(value.owner, "operation", value.owner)
+        if not isinstance(op, ir.Operation) or op.name != "stablehlo.reshape":
+            return value
+        value = op.operands[0]
+
+
+def _shape(value) -> list[int]:
+    return list(ir.RankedTensorType(value.type).shape)
+
+
+def _stats_only_forward(rstd) -> ir.Operation | None:
+    """The forward custom call that produced `rstd` if it computed statistics
+    only (its output dead) of x with no residual added."""
+    op = getattr(_unreshaped(rstd).owner, "operation", None)
+    if not isinstance(op, ir.Operation) or op.name != "stablehlo.custom_call":
+        return None
+    if ir.StringAttr(op.attributes["call_target_name"]).value != TARGET_PREFIX + "row_norm_fwd":
+        return None
+    x, residual, y = op.operands[0], op.operands[3], op.results[0]
+    stats_only = _shape(y)[-1:] == [0] and _shape(x)[-1:] != [0]
+    return op if stats_only and _shape(residual) == [0] else None
+
+
+def _drop_recomputable_stats(ctx, args, *, centered, **_):
+    """Where RMSNorm's statistics come from a statistics-only forward of the
+    same x (the forward's output dead, as under jax.grad), the backward is
+    given none and computes them from the x it reads anyway: the forward then
+    has no reader left and XLA removes it, which saves a read of x. A forward
+    whose output is used keeps its statistics, and the backward reads them.
+    LayerNorm keeps them always: its mean needs a block reduction of its own
+    before the others, which cost the backward kernel more than the read saved
+    (benchmarks/NOTES.md, v15)."""
+    x, rstd = args[0], args[3]
+    fwd = None if centered else _stats_only_forward(rstd)
+    if fwd is None or _unreshaped(fwd.operands[0]) != _unreshaped(x):
+        return ctx, args
+    absent = jax.core.ShapedArray((0,), ctx.avals_in[3].dtype)
+    none = mlir.ir_constant(np.zeros((0,), absent.dtype))
+    avals = list(ctx.avals_in)
+    avals[2] = avals[3] = absent
+    return ctx.replace(avals_in=avals), (*args[:2], none, none, *args[4:])
 
 
 row_norm_bwd_kernel_p = define_kernel_primitive(
@@ -178,6 +230,7 @@ row_norm_bwd_kernel_p = define_kernel_primitive(
     abstract_eval=_bwd_kernel_abstract,
     reference=_bwd_kernel_reference,
     attributes=_bwd_kernel_attributes,
+    rewrite_operands=_drop_recomputable_stats,
 )
 
 
@@ -264,7 +317,7 @@ def _fwd_local(x, scale, bias, residual, *, axes, kernel, norm_ndim, alias_resid
     return y, mean.reshape(rows_shape) if mean.size else mean, rstd.reshape(rows_shape), h
 
 
-def _bwd_local(x, scale, mean, rstd, dy, dres, *, axes, kernel, norm_ndim, centered,
+def _bwd_local(x, scale, mean, rstd, dy, dres, *, axes, kernel, norm_ndim, epsilon, centered,
                zero_centered, has_bias, param_dtype):
     """The backward on one device's block. dscale/dbias are partial sums over
     the device's rows, so they are summed over the row axes (in float32, one
@@ -280,9 +333,9 @@ def _bwd_local(x, scale, mean, rstd, dy, dres, *, axes, kernel, norm_ndim, cente
     else:
         # Partial sums travel in float32 (float64 for float64 parameters).
         wide = jnp.promote_types(param_dtype, jnp.float32) if axes.rows else param_dtype
-        dx2, dscale, dbias = kernel(x2, s2.astype(wide), m2, r2, dy2, dres2, centered=centered,
-                                    zero_centered=zero_centered, has_bias=has_bias,
-                                    param_dtype=wide)
+        dx2, dscale, dbias = kernel(x2, s2.astype(wide), m2, r2, dy2, dres2, epsilon=epsilon,
+                                    centered=centered, zero_centered=zero_centered,
+                                    has_bias=has_bias, param_dtype=wide)
     if axes.rows:
         dscale, dbias = _psum_concat(axes.rows, dscale, dbias)
     norm_shape = x.shape[x.ndim - norm_ndim:]
@@ -362,6 +415,7 @@ row_norm_fwd_p = define_row_primitive(
     abstract_eval=_fwd_abstract,
     reference=functools.partial(_fwd_local, axes=UNSHARDED, kernel=_fwd_kernel_reference),
     lower=_fwd_lower,
+    unsplit=functools.partial(_fwd_on_device, axes=UNSHARDED),
     row_args=(True, False, False, True),
     row_outs=(True, True, True, True),
 )
@@ -408,6 +462,8 @@ row_norm_bwd_p = define_row_primitive(
     lower=_bwd_lower,
     row_args=(True, False, True, True, True, True),
     row_outs=(True, False, False),
+    unsplit=functools.partial(_bwd_on_device, axes=UNSHARDED),
+    in_place=True,  # for _drop_recomputable_stats
 )
 
 
@@ -448,7 +504,7 @@ def _row_norm_bwd(cfg: _Config, res, cotangents):
     x, scale, mean, rstd = res
     dy, dh = cotangents
     scale_ = _or_empty(scale, cfg.param_dtype)
-    params = dict(centered=cfg.centered, zero_centered=cfg.zero_centered,
+    params = dict(epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
                   has_bias=cfg.has_bias, param_dtype=cfg.param_dtype, norm_ndim=cfg.norm_ndim)
     if cfg.axis_name:
         dx, dscale, dbias = _bwd_local(x, scale_, mean, rstd, dy, dh,

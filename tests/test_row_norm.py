@@ -151,18 +151,22 @@ def test_grads_against_float64(op, dtype, shape):
 
 
 def check_grads64(op, x, scale, bias, dy, ndim=1):
+    """The backward given the forward's statistics (a jitted pullback) and the
+    backward that computes them itself (forward and backward in one jit, the
+    forward's output dead), against float64."""
     _, centered, eps = OPS[op]
     _, pullback = jax.vjp(lambda *a: call(op, *a), x, scale, bias)
-    grads = jax.jit(pullback)(dy)
+    fused = jax.jit(lambda dy, *a: jax.vjp(lambda *a: call(op, *a), *a)[1](dy))
     expected = vjp64(x, scale, bias, dy, eps, centered, ndim)
     rows = x.size // scale.size
-    for got, want, arg, sums in zip(grads, expected, (x, scale, bias), (1, rows, rows)):
-        if want is None:
-            assert got is None
-            continue
-        assert got.dtype == arg.dtype and got.shape == want.shape
-        # dscale/dbias add up `rows` rounded terms
-        assert_close(got, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
+    for grads in (jax.jit(pullback)(dy), fused(dy, x, scale, bias)):
+        for got, want, arg, sums in zip(grads, expected, (x, scale, bias), (1, rows, rows)):
+            if want is None:
+                assert got is None
+                continue
+            assert got.dtype == arg.dtype and got.shape == want.shape
+            # dscale/dbias add up `rows` rounded terms
+            assert_close(got, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
 
 
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
@@ -223,6 +227,36 @@ def test_every_plan(op, shape, x_dtype, p_dtype):
     # Once more after the statistics-only forward: the same kernel launched
     # with less shared memory must not keep it from launching with more.
     check_values(op, x, scale, bias)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("shape,x_dtype,p_dtype", PLAN_CASES, ids=str)
+def test_backward_handler_without_statistics(op, shape, x_dtype, p_dtype):
+    """The backward kernel given no statistics computes them from x, on every
+    plan (the lowering asks for that for RMSNorm only; the handler takes it for
+    both)."""
+    from jaxnorm import row_norm
+
+    _, centered, eps = OPS[op]
+    x = rand(35, shape, x_dtype, offset=0.5)
+    scale, bias = params(op, 35, shape[-1:], p_dtype)
+    dy = rand(36, shape, x_dtype)
+    none = jnp.zeros((0,), jnp.float32)
+    # The kernels take parameters of x's dtype or float32 (the ops cast others).
+    wide = p_dtype if jnp.dtype(p_dtype) in (jnp.dtype(x_dtype), jnp.float32) else jnp.float32
+
+    def bwd(x, scale, dy):
+        return row_norm.row_norm_bwd_kernel_p.bind(
+            x, scale.astype(wide), none, none, dy, jnp.zeros((0,), x.dtype), epsilon=eps,
+            centered=centered, zero_centered=False, has_bias=centered, param_dtype=wide)
+
+    dx, dscale, dbias = jax.jit(bwd)(x, scale, dy)
+    want = vjp64(x, scale, bias, dy, eps, centered, 1)
+    rows = shape[0]
+    assert_close(dx, want[0], x_dtype)
+    assert_close(dscale, want[1], p_dtype, scale=float(np.sqrt(rows)) * 4)
+    if centered:
+        assert_close(dbias, want[2], p_dtype, scale=float(np.sqrt(rows)) * 4)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -439,6 +473,44 @@ def test_dead_output_computes_statistics_only():
         assert len(fwd) == 1 and "tensor<16x0xf32>" in fwd[0]
 
 
+def _custom_calls(compiled_hlo, name):
+    return [ln for ln in compiled_hlo.splitlines()
+            if "custom-call(" in ln and f'custom_call_target="jaxnorm_{name}"' in ln]
+
+
+@pytest.mark.skipif(_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
+@pytest.mark.parametrize("op", OPS)
+def test_backward_computes_statistics_of_a_dead_forward(op):
+    """Forward and backward in one jit with the forward's output dead: the
+    RMSNorm backward computes the statistics from x, and no forward is left in
+    the compiled program. With the output used, the forward runs and the
+    backward reads its statistics."""
+    fn, centered, _ = OPS[op]
+    x = rand(95, (2, 8, 32), jnp.float32)
+    s = rand(96, (32,), jnp.float32, 1.0)
+
+    def grads_only(x, s, dy):
+        return jax.vjp(fn, x, s)[1](dy)
+
+    def with_value(x, s, dy):
+        y, pullback = jax.vjp(fn, x, s)
+        return y, pullback(dy)
+
+    hlo = jax.jit(grads_only).lower(x, s, x).compile().as_text()
+    (bwd,) = _custom_calls(hlo, "row_norm_bwd")
+    if centered:  # LayerNorm keeps its statistics-only forward
+        assert len(_custom_calls(hlo, "row_norm_fwd")) == 1 and "f32[16]" in bwd
+    else:
+        assert not _custom_calls(hlo, "row_norm_fwd")
+        assert bwd.count("f32[0]") >= 2  # mean and rstd absent
+    hlo = jax.jit(with_value).lower(x, s, x).compile().as_text()
+    assert len(_custom_calls(hlo, "row_norm_fwd")) == 1
+    (bwd,) = _custom_calls(hlo, "row_norm_bwd")
+    assert "f32[16]" in bwd  # the forward's rstd
+    for a, b in zip(jax.jit(grads_only)(x, s, x), jax.jit(with_value)(x, s, x)[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def _ffi(target, outs, *args, **attrs):
     return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
 
@@ -456,6 +528,7 @@ def _ffi(target, outs, *args, **attrs):
         ("new_residual_missing", "new_residual must be present exactly when residual is"),
         ("bwd_dx", r"dx has shape \(4, 7\), expected \(4, 8\)"),
         ("bwd_dres", r"dres has shape \(3, 8\), expected \(4, 8\)"),
+        ("bwd_mean_without_rstd", r"mean has shape \(4,\), expected \(0,\)"),
     ],
 )
 def test_handlers_reject_inconsistent_buffers(case, match):
@@ -478,14 +551,14 @@ def test_handlers_reject_inconsistent_buffers(case, match):
         "new_residual_missing": dict(residual=x),
         "bwd_dx": dict(dx=sd((4, 7), f32)),
         "bwd_dres": dict(dres=jnp.ones((3, 8), f32)),
+        "bwd_mean_without_rstd": dict(mean=jnp.ones((4,), f32), rstd=e),
     }[case]
     bwd = case.startswith("bwd")
     args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
     args = {k: changes.get(k, v) for k, v in args.items()}
     outs = tuple(changes.get(k, v) for k, v in outs.items())
-    attrs = dict(centered=np.bool_(False), zero_centered=np.bool_(False))
-    if not bwd:
-        attrs["epsilon"] = np.float64(1e-5)
+    attrs = dict(epsilon=np.float64(1e-5), centered=np.bool_(False),
+                 zero_centered=np.bool_(False))
     target = "row_norm_bwd" if bwd else "row_norm_fwd"
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda: _ffi(target, outs, *args.values(), **attrs))())
@@ -509,12 +582,14 @@ def test_reference_implementation(centered):
     b = bias if centered else None
     assert_close(y, norm_np(x, scale, b, 1e-5, centered, 1), jnp.float32)
     dy = rand(94, (6, 50), jnp.float32)
-    dx, ds, db = row_norm._bwd_kernel_reference(
-        x, scale, mean, rstd, dy, jnp.zeros((0,), jnp.float32), centered=centered,
-        zero_centered=False, has_bias=centered, param_dtype=jnp.float32,
-    )
     want = vjp64(x, scale, b, dy, 1e-5, centered, 1)
-    assert_close(dx, want[0], jnp.float32)
-    assert_close(ds, want[1], jnp.float32, scale=10)
-    if centered:
-        assert_close(db, want[2], jnp.float32, scale=10)
+    no_stats = jnp.zeros((0,), jnp.float32)
+    for stats in ((mean, rstd), (no_stats, no_stats)):  # kept by the forward, or not
+        dx, ds, db = row_norm._bwd_kernel_reference(
+            x, scale, *stats, dy, no_stats, epsilon=1e-5, centered=centered,
+            zero_centered=False, has_bias=centered, param_dtype=jnp.float32,
+        )
+        assert_close(dx, want[0], jnp.float32)
+        assert_close(ds, want[1], jnp.float32, scale=10)
+        if centered:
+            assert_close(db, want[2], jnp.float32, scale=10)

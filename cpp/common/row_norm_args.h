@@ -5,8 +5,12 @@
 //   row_norm_fwd(x[R,H], scale[H|0], bias[H|0], residual[R,H|0])
 //       -> y[R,H] (or [R,0]: statistics only), mean[R|0], rstd[R],
 //          new_residual[R,H|0]
-//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R], dy[R,H], dres[R,H|0])
+//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R|0], dy[R,H], dres[R,H|0])
 //       -> dx[R,H], dscale[H|0], dbias[H|0]
+//
+// A backward without statistics (rstd and mean both [0]) computes them from x
+// itself, with the forward's epsilon: the lowering passes none where the
+// forward ran only to compute them (its output dead, as under jax.grad).
 //
 // With a residual the forward normalizes h = x + residual (rounded to x's
 // dtype) and writes h to new_residual, which may alias residual; the backward
@@ -26,6 +30,7 @@ struct RowNormShape {
   bool has_scale = false;
   bool has_bias = false;
   bool has_residual = false;  // forward: residual; backward: dres
+  bool has_stats = true;      // backward: false to compute them from x
 };
 
 inline ffi::Error check_rows(const AnyBuffer& x, RowNormShape* s) {
@@ -55,6 +60,10 @@ inline ffi::Error check_params(const AnyBuffer& scale, const AnyBuffer& bias,
 inline ffi::Error check_stats(const AnyBuffer& x, const AnyBuffer& mean,
                               const AnyBuffer& rstd, bool centered,
                               const RowNormShape& s) {
+  if (!s.has_stats) {
+    JAXNORM_RETURN_IF_ERROR(expect_dims(rstd, "rstd", {0}));
+    return expect_dims(mean, "mean", {0});
+  }
   DataType st = stats_dtype(x.element_type());
   JAXNORM_RETURN_IF_ERROR(expect_dims(rstd, "rstd", {s.rows}));
   JAXNORM_RETURN_IF_ERROR(expect_dtype(rstd, "rstd", st));
@@ -81,6 +90,15 @@ inline ffi::Error check_optional_rows(const AnyBuffer& x, const AnyBuffer& buf,
   return expect_dtype(buf, what, x.element_type());
 }
 
+inline ffi::Error check_epsilon(double epsilon) {
+  if (!(epsilon >= 0.0) || !std::isfinite(epsilon)) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: epsilon must be finite and >= 0, got " +
+        std::to_string(epsilon));
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
                                      const AnyBuffer& bias,
                                      const AnyBuffer& residual, const AnyBuffer& y,
@@ -104,12 +122,7 @@ inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
              s->hidden == 0;
   if (*write_y) JAXNORM_RETURN_IF_ERROR(expect_dims(y, "y", {s->rows, s->hidden}));
   JAXNORM_RETURN_IF_ERROR(check_stats(x, mean, rstd, centered, *s));
-  if (!(epsilon >= 0.0) || !std::isfinite(epsilon)) {
-    return ffi::Error::InvalidArgument(
-        "jaxnorm: epsilon must be finite and >= 0, got " +
-        std::to_string(epsilon));
-  }
-  return ffi::Error::Success();
+  return check_epsilon(epsilon);
 }
 
 inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
@@ -117,9 +130,11 @@ inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
                                      const AnyBuffer& rstd, const AnyBuffer& dy,
                                      const AnyBuffer& dres, const AnyBuffer& dx,
                                      const AnyBuffer& dscale,
-                                     const AnyBuffer& dbias, bool centered,
-                                     RowNormShape* s) {
+                                     const AnyBuffer& dbias, double epsilon,
+                                     bool centered, RowNormShape* s) {
   JAXNORM_RETURN_IF_ERROR(check_rows(x, s));
+  auto rdims = rstd.dimensions();
+  s->has_stats = !(rdims.size() == 1 && rdims[0] == 0 && s->rows != 0);
   // dscale mirrors scale; dbias says whether the forward had a bias.
   JAXNORM_RETURN_IF_ERROR(check_params(scale, dbias, s));
   bool has_dscale = false;
@@ -137,7 +152,8 @@ inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->rows, s->hidden}));
   JAXNORM_RETURN_IF_ERROR(check_optional_rows(x, dres, "dres", *s, &s->has_residual));
   JAXNORM_RETURN_IF_ERROR(expect_dims(dx, "dx", {s->rows, s->hidden}));
-  return expect_dtype(dx, "dx", x.element_type());
+  JAXNORM_RETURN_IF_ERROR(expect_dtype(dx, "dx", x.element_type()));
+  return check_epsilon(epsilon);
 }
 
 // The FFI signatures, appended to a platform's binding (which may first add
@@ -168,6 +184,7 @@ auto bind_row_norm_bwd(B binding) {
       .template Ret<AnyBuffer>()            // dx
       .template Ret<AnyBuffer>()            // dscale
       .template Ret<AnyBuffer>()            // dbias
+      .template Attr<double>("epsilon")     // with no statistics given
       .template Attr<bool>("centered")
       .template Attr<bool>("zero_centered");
 }

@@ -83,9 +83,10 @@ void fwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centere
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres], g = dy * scale,
 // with the mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat,
-// dbias = sum dy.
+// dbias = sum dy. Without saved statistics (mean_in, rstd_in null), each row's
+// are computed from x as the forward does.
 template <typename X, typename G, typename W>
-void bwd(const RowNormShape& s, bool centered, bool zero_centered, const X* x,
+void bwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centered, const X* x,
          const W* scale, const void* mean_in, const void* rstd_in, const G* dy,
          const X* dres, X* dx, W* dscale, W* dbias) {
   using A = acc_t<X>;
@@ -97,8 +98,13 @@ void bwd(const RowNormShape& s, bool centered, bool zero_centered, const X* x,
   std::vector<A> g(s.hidden), xhat(s.hidden);
   for (int64_t r = 0; r < s.rows; ++r) {
     int64_t base = r * s.hidden;
-    A mean = centered ? mean_p[r] : A(0);
-    A rstd = rstd_p[r];
+    A mean, rstd;
+    if (s.has_stats) {
+      mean = centered ? mean_p[r] : A(0);
+      rstd = rstd_p[r];
+    } else {
+      row_stats(x + base, s.hidden, centered, epsilon, &mean, &rstd);
+    }
     for (int64_t j = 0; j < s.hidden; ++j) {
       A d = load<A>(dy, base + j);
       xhat[j] = (load<A>(x, base + j) - mean) * rstd;
@@ -158,18 +164,18 @@ ffi::Error row_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer mean,
                              AnyBuffer rstd, AnyBuffer dy, AnyBuffer dres,
                              ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
-                             ffi::Result<AnyBuffer> dbias, bool centered,
-                             bool zero_centered) {
+                             ffi::Result<AnyBuffer> dbias, double epsilon,
+                             bool centered, bool zero_centered) {
   RowNormShape s;
   JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
-                                             *dscale, *dbias, centered, &s));
+                                             *dscale, *dbias, epsilon, centered, &s));
   return dispatch_row_types(
       x.element_type(), dy.element_type(), param_dtype(x, scale, *dbias, s),
       [&](auto xt, auto gt, auto wt) {
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        bwd<X, G, W>(s, centered, zero_centered,
+        bwd<X, G, W>(s, centered, epsilon, zero_centered,
                      static_cast<const X*>(x.untyped_data()),
                      static_cast<const W*>(scale.untyped_data()),
                      mean.untyped_data(), rstd.untyped_data(),

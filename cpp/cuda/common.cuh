@@ -263,9 +263,10 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
 // Sums K values over the `tpr` consecutive threads that share a row. tpr is a
 // power of two up to 32, or a multiple of 32; `smem` holds K values per warp of
 // the block. Every thread of the block must call it (it may synchronize), and
-// every thread gets the row's totals, summed in a fixed order.
+// every thread gets the row's totals, summed in a fixed order. `reuse_sync`:
+// synchronize again before returning, so that the next call may write `smem`.
 template <int K, typename A>
-__device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem) {
+__device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_sync = true) {
   const int width = tpr < 32 ? tpr : 32;
 #pragma unroll
   for (int k = 0; k < K; ++k) {
@@ -288,8 +289,24 @@ __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem) {
     for (int w = 0; w < warps_per_row; ++w) s += smem[(first + w) * K + k];
     v[k] = s;
   }
-  __syncthreads();  // the next call may overwrite smem
+  if (reuse_sync) __syncthreads();
 }
+
+// Shared memory for row_sum of up to kMaxK values in two sets that calls take
+// by turns, so each call synchronizes once: a set is written again only two
+// calls later, past a barrier that every thread reaches only after reading it.
+// All row_sum calls on the memory must go through it.
+template <typename A, int kMaxK>
+struct RowSumTurns {
+  A* smem;  // 2 * 32 * kMaxK values
+  int turn = 0;
+  template <int K>
+  __device__ __forceinline__ void operator()(A (&v)[K], int tpr) {
+    static_assert(K <= kMaxK);
+    row_sum(v, tpr, smem + turn * 32 * kMaxK, false);
+    turn ^= 1;
+  }
+};
 
 inline ffi::Error cuda_error(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();

@@ -34,18 +34,45 @@ inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t by
   return ffi::Error::Success();
 }
 
+// For a backward given no statistics whose kernel reads them (few rows, the
+// long path): the statistics-only forward into scratch, then a.mean, a.rstd
+// point there.
+template <typename X, typename W, int VEC>
+ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
+                              ffi::ScratchAllocator& scratch, BwdArgs& a) {
+  using A = acc_t<X>;
+  if (a.rstd != nullptr) return ffi::Error::Success();
+  auto mem = scratch.Allocate(2 * size_t(a.rows) * sizeof(A), 16);
+  if (!mem.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxnorm: cannot allocate scratch for row_norm_bwd's statistics");
+  }
+  A* rstd = static_cast<A*>(*mem);
+  A* mean = rstd + a.rows;
+  FwdArgs f{a.x, nullptr, nullptr, nullptr, mean, rstd, a.rows, a.hidden, 0, 0,
+            a.epsilon, a.centered, false, false, /*write_y=*/false, false};
+  JAXNORM_RETURN_IF_ERROR((launch_fwd_vec<X, X, W, VEC>(stream, dev, f)));
+  a.mean = mean;
+  a.rstd = rstd;
+  return ffi::Error::Success();
+}
+
 template <typename X, typename G, typename W, int VEC>
 ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
                           ffi::ScratchAllocator& scratch, BwdArgs a) {
   if constexpr (VEC > 1) {
     const FewBwdPlan few = plan_bwd_few<X, VEC>(a.rows, a.hidden, dev);
     if (few.blocks > 0) {
+      JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
       return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
     }
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
   RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
+  if (p.nv == 0) {  // the register path computes missing statistics itself
+    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
+  }
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions,
                                     a.dres == nullptr && a.scale_offset == 0, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
@@ -107,11 +134,11 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
                              AnyBuffer dy, AnyBuffer dres,
                              ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
-                             ffi::Result<AnyBuffer> dbias, bool centered,
-                             bool zero_centered) {
+                             ffi::Result<AnyBuffer> dbias, double epsilon,
+                             bool centered, bool zero_centered) {
   RowNormShape s;
   JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
-                                             *dscale, *dbias, centered, &s));
+                                             *dscale, *dbias, epsilon, centered, &s));
   if (s.hidden == 0) return ffi::Error::Success();
   if (s.rows == 0) {  // empty batch: parameter gradients are zero
     for (auto* out : {&dscale, &dbias}) {
@@ -128,6 +155,8 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
             nullptr, dscale->untyped_data(), dbias->untyped_data(),
             s.rows, s.hidden, 0, 0, centered, s.has_scale, s.has_bias, false};
   if (s.has_residual) a.dres = dres.untyped_data();
+  if (!s.has_stats) a.mean = a.rstd = nullptr;
+  a.epsilon = epsilon;
   a.scale_offset = zero_centered ? 1.0f : 0.0f;
   const DeviceInfo& dev = device_info(device);
   return dispatch_row_types(

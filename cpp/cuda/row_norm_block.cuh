@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
     // 64-83 registers instead of 52-64, which cost the SM a block and up to
     // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
-    row_stats(xv, span.lane, span.step, span.nvec, a, inv_n, mean, rstd,
+    row_stats(xv, span.lane, span.step, span.nvec, a.centered, A(a.epsilon), inv_n, mean, rstd,
               [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
   }
   if (span.lane == 0 && part == 0) {

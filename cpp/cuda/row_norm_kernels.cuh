@@ -71,6 +71,9 @@ struct BwdArgs {
   const void* dres = nullptr;  // added to dx: the cotangent of new_residual
   float scale_offset = 0;
   int parts = 1;  // blocks (a cluster) sharing each row, a slice of it each
+  // mean and rstd null: the register path computes each row's statistics from
+  // the x it holds, with the forward's epsilon (row_norm_args.h).
+  double epsilon = 0;
 };
 
 // How a launch covers the rows. nv = 0 means the long path.
@@ -390,10 +393,10 @@ struct RowThread {
 // variance; every thread must call row_stats.
 template <typename A, int VEC, int NV, typename T, typename Sum>
 __device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
-                                          int64_t nvec, const FwdArgs& a, A inv_n, A& mean,
-                                          A& rstd, Sum&& sum) {
+                                          int64_t nvec, bool centered, A epsilon, A inv_n,
+                                          A& mean, A& rstd, Sum&& sum) {
   mean = 0;
-  if (a.centered) {
+  if (centered) {
     A s[1] = {0};
 #pragma unroll
     for (int i = 0; i < NV; ++i)
@@ -410,7 +413,7 @@ __device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int la
     for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
   }
   sum(ss, 1);
-  rstd = rsqrt_acc(ss[0] * inv_n + A(a.epsilon));
+  rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
 }
 
 template <typename X, typename Y, typename W, int VEC, int NV>
@@ -451,7 +454,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
       add_residual<1>(xv, a, row * a.hidden, [&](int i) { return valid && at(i) < t.nvec; }, at);
     }
     A mean, rstd;
-    row_stats(xv, t.lane, a.tpr, t.nvec, a, t.inv_n, mean, rstd,
+    row_stats(xv, t.lane, a.tpr, t.nvec, a.centered, A(a.epsilon), t.inv_n, mean, rstd,
               [&](A (&v)[1], int) { row_sum(v, a.tpr, smem); });
     if (valid && t.lane == 0) {
       if (a.centered) static_cast<A*>(a.mean)[row] = mean;
@@ -551,13 +554,15 @@ struct AccLayout {
   using Chunk = Packed<A, K>;
 };
 
-// The backward's two row sums: s[0] += sum g * xhat, s[1] += sum g.
+// The backward's two row sums: s[0] += sum g * xhat, s[1] += sum g, or with
+// `squares` (RMSNorm computing its statistics, xh then x itself) sum x * x.
 template <int VEC, typename A>
-__device__ __forceinline__ void add_row_dots(A (&s)[2], const A (&g)[VEC], const A (&xh)[VEC]) {
+__device__ __forceinline__ void add_row_dots(A (&s)[2], const A (&g)[VEC], const A (&xh)[VEC],
+                                             bool squares = false) {
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     s[0] += g[e] * xh[e];
-    s[1] += g[e];
+    s[1] += squares ? xh[e] * xh[e] : g[e];
   }
 }
 
@@ -642,13 +647,17 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
   using R = Ring<VEC, NV, 2, kWideDy>;
   using M = BwdSmem<A, VEC, NV, kWideDy>;
-  __shared__ A smem[32 * 2];
+  __shared__ A smem[2 * 32 * 2];
+  RowSumTurns<A, 2> block_sum{smem};
   __shared__ Packed<A, 2> cluster_slots[2];
+  __shared__ Packed<A, 1> stats_slots[2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
   ClusterSum<A, 2> cluster_sum(cluster_slots);
+  ClusterSum<A, 1> cluster_stats_sum(stats_slots);
+  const bool has_stats = a.rstd != nullptr;
   const int regions = int(a.has_scale) + int(a.has_bias);
   const int per_slot = NV * L::kChunks * a.tpr;
   A* stats = reinterpret_cast<A*>(dyn + M::stats(blockDim.x));  // [stage][2][thread]
@@ -673,6 +682,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       const int64_t base = row * a.hidden + t.col0;
       ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
       ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
+      if (!has_stats) return;
       A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
       if (a.centered) cp_async_scalar(st, static_cast<const A*>(a.mean) + row);
       cp_async_scalar(st + blockDim.x, static_cast<const A*>(a.rstd) + row);
@@ -690,8 +700,19 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     RegVec<G, VEC> gv[NV];
     ring.read(xv, stage, 0, static_cast<const X*>(a.x) + base, valid, t.lane, a.tpr, t.nvec);
     ring.read(gv, stage, 1, static_cast<const G*>(a.dy) + base, valid, t.lane, a.tpr, t.nvec);
-    A mean = 0, rstd = 0;
-    if (valid) {
+    // Without saved statistics (the statistics-only forward this replaces
+    // would read x once more), RMSNorm's rstd comes from the sum of squares,
+    // reduced with the dot product: xhat is x until then, and dscale is
+    // accumulated after. LayerNorm's two-pass statistics come first.
+    const bool own_rms = !has_stats && !a.centered;
+    A mean = 0, rstd = 1;
+    if (!has_stats && a.centered) {
+      row_stats(xv, t.lane, a.tpr, t.nvec, true, A(a.epsilon), t.inv_n, mean, rstd,
+                [&](A (&v)[1], int) {
+                  block_sum(v, a.tpr);
+                  if constexpr (kSplit) cluster_stats_sum(v, parts);
+                });
+    } else if (has_stats && valid) {
       if constexpr (R::kStaged) {
         const A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
         mean = a.centered ? st[0] : A(0);
@@ -715,23 +736,29 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
         g[e] = a.has_scale ? d[e] * (kPlain ? w[e] : w[e] + A(a.scale_offset)) : d[e];
       }
     };
-    A s[2] = {0, 0};
-#pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
-      A xh[VEC], d[VEC], g[VEC];
-      xhat_g(i, xh, d, g);
-      add_row_dots(s, g, xh);
-      if (!valid) continue;
+    auto accumulate_params = [&](int i, A (&d)[VEC], const A (&xh)[VEC]) {
       if (a.has_bias) accumulate<A, VEC>(db + i * L::kChunks * a.tpr, a.tpr, d);
       if (a.has_scale) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) d[e] *= xh[e];
         accumulate<A, VEC>(dw + i * L::kChunks * a.tpr, a.tpr, d);
       }
+    };
+    A s[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
+      A xh[VEC], d[VEC], g[VEC];
+      xhat_g(i, xh, d, g);
+      add_row_dots(s, g, xh, own_rms);
+      if (valid && !own_rms) accumulate_params(i, d, xh);
     }
-    row_sum(s, a.tpr, smem);
+    block_sum(s, a.tpr);
     if constexpr (kSplit) cluster_sum(s, parts);
+    if (own_rms) {
+      rstd = rsqrt_acc(s[1] * t.inv_n + A(a.epsilon));
+      s[0] *= rstd;  // sum g * xhat = rstd * sum g * x
+    }
     const A c_gx = s[0] * t.inv_n;
     const A c_g = a.centered ? s[1] * t.inv_n : A(0);
     if (!valid) continue;
@@ -744,6 +771,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       xhat_g(i, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+      if (own_rms) accumulate_params(i, d, xh);
       // dres at its use: loaded with x and dy, NV vectors of it took up to 27
       // more registers, which this kernel's occupancy cannot spare.
       if constexpr (!kPlain) {
