@@ -6,7 +6,8 @@ share one forward and one backward primitive; LayerNorm is the `centered` case
 h = x + residual and returns h too; its backward is the norm's backward of h
 plus the cotangent of h, added in the same kernel. The forward saves x (h) and
 per-row float32 statistics (mean, rstd), never the output; the backward reads
-them. With `zero_centered` the scale is applied as (1 + scale).
+them (or, for RMSNorm whose forward output is dead, computes them itself:
+`_drop_recomputable_stats`). With `zero_centered` the scale is applied as (1 + scale).
 
 Dtype rule: x may be float32, bfloat16, float16 or float64; statistics are
 float32 (float64 for float64 x); the output has x's dtype unless `dtype` is
