@@ -502,7 +502,7 @@ def test_backward_computes_statistics_of_a_dead_forward(op):
         assert len(_custom_calls(hlo, "row_norm_fwd")) == 1 and "f32[16]" in bwd
     else:
         assert not _custom_calls(hlo, "row_norm_fwd")
-        assert bwd.count("f32[0]") >= 2  # mean and rstd absent
+        assert "f32[16]" not in bwd  # no rstd operand
     hlo = jax.jit(with_value).lower(x, s, x).compile().as_text()
     assert len(_custom_calls(hlo, "row_norm_fwd")) == 1
     (bwd,) = _custom_calls(hlo, "row_norm_bwd")

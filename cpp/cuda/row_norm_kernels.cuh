@@ -648,7 +648,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   using R = Ring<VEC, NV, 2, kWideDy>;
   using M = BwdSmem<A, VEC, NV, kWideDy>;
   __shared__ A smem[2 * 32 * 2];
-  RowSumTurns<A, 2> block_sum{smem};
+  RowSumTurns<A, 2> row_sums{smem};
   __shared__ Packed<A, 2> cluster_slots[2];
   __shared__ Packed<A, 1> stats_slots[2];
   extern __shared__ __align__(16) unsigned char dyn[];
@@ -709,7 +709,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     if (!has_stats && a.centered) {
       row_stats(xv, t.lane, a.tpr, t.nvec, true, A(a.epsilon), t.inv_n, mean, rstd,
                 [&](A (&v)[1], int) {
-                  block_sum(v, a.tpr);
+                  row_sums(v, a.tpr);
                   if constexpr (kSplit) cluster_stats_sum(v, parts);
                 });
     } else if (has_stats && valid) {
@@ -753,7 +753,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
       add_row_dots(s, g, xh, own_rms);
       if (valid && !own_rms) accumulate_params(i, d, xh);
     }
-    block_sum(s, a.tpr);
+    row_sums(s, a.tpr);
     if constexpr (kSplit) cluster_sum(s, parts);
     if (own_rms) {
       rstd = rsqrt_acc(s[1] * t.inv_n + A(a.epsilon));
