@@ -262,34 +262,55 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
 
 // Sums K values over the `tpr` consecutive threads that share a row. tpr is a
 // power of two up to 32, or a multiple of 32; `smem` holds K values per warp of
-// the block. Every thread of the block must call it (it may synchronize), and
-// every thread gets the row's totals, summed in a fixed order. `reuse_sync`:
-// synchronize again before returning, so that the next call may write `smem`.
+// the block (16-byte aligned). Every thread of the block must call it (it may
+// synchronize), and every thread gets the row's totals, summed in a fixed
+// order. `reuse_sync`: synchronize again before returning, so that the next
+// call may write `smem`. `first_warp`: the first warp of the thread's row
+// (row_first_warp), where the caller has it at hand.
 template <int K, typename A>
-__device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_sync = true) {
-  const int width = tpr < 32 ? tpr : 32;
+__device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_sync = true,
+                                        int first_warp = -1) {
+  if (tpr >= 32) {  // the common case, unrolled: no loop counter
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    for (int off = width / 2; off > 0; off /= 2) {
-      v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      for (int off = tpr / 2; off > 0; off /= 2) {
+        v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+      }
     }
   }
   if (tpr <= 32) return;
   const int warp = threadIdx.x / 32;
-  const int warps_per_row = tpr / 32;
-  const int first = warp - warp % warps_per_row;
+  if (first_warp < 0) first_warp = warp - warp % (tpr / 32);
+  using P = Packed<A, K>;
+  P* slots = reinterpret_cast<P*>(smem);
   if (threadIdx.x % 32 == 0) {
+    P mine;
 #pragma unroll
-    for (int k = 0; k < K; ++k) smem[warp * K + k] = v[k];
+    for (int k = 0; k < K; ++k) mine.v[k] = v[k];
+    slots[warp] = mine;
   }
   __syncthreads();
 #pragma unroll
-  for (int k = 0; k < K; ++k) {
-    A s = 0;
-    for (int w = 0; w < warps_per_row; ++w) s += smem[(first + w) * K + k];
-    v[k] = s;
+  for (int k = 0; k < K; ++k) v[k] = 0;
+  for (int w = 0; w < tpr / 32; ++w) {
+    const P p = slots[first_warp + w];
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] += p.v[k];
   }
   if (reuse_sync) __syncthreads();
+}
+
+// The first warp of the row that thread threadIdx.x works on, with `tpr`
+// threads a row (a multiple of 32).
+__device__ __forceinline__ int row_first_warp(int tpr) {
+  const int warp = threadIdx.x / 32;
+  return tpr >= 32 ? warp - warp % (tpr / 32) : warp;
 }
 
 // Shared memory for row_sum of up to kMaxK values in two sets that calls take
@@ -298,12 +319,14 @@ __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_
 // All row_sum calls on the memory must go through it.
 template <typename A, int kMaxK>
 struct RowSumTurns {
-  A* smem;  // 2 * 32 * kMaxK values
+  A* smem;  // 2 * 32 * kMaxK values, 16-byte aligned
+  int first_warp;
   int turn = 0;
+  __device__ RowSumTurns(A* smem, int tpr) : smem(smem), first_warp(row_first_warp(tpr)) {}
   template <int K>
   __device__ __forceinline__ void operator()(A (&v)[K], int tpr) {
     static_assert(K <= kMaxK);
-    row_sum(v, tpr, smem + turn * 32 * kMaxK, false);
+    row_sum(v, tpr, smem + turn * 32 * kMaxK, false, first_warp);
     turn ^= 1;
   }
 };

@@ -8,14 +8,16 @@
 // vectors of it in registers, packed in the input dtype (bf16 stays bf16: half
 // the registers of fp32), so x and dy are read from DRAM exactly once. Rows of
 // up to 4 vectors a thread stream through a cp.async ring in shared memory, so
-// that the next row's loads are in flight while a row is reduced; scale and
-// bias are staged in shared memory once per block. Short rows pack several
+// that the next row's loads are in flight while a row is reduced; the
+// forward stages scale and bias in shared memory once per block, the backward
+// keeps a staged row in the ring and the thread's scale in registers
+// (bwd_scale_in_regs). Short rows pack several
 // rows into one block. Rows too long for registers take the long path: one
 // block per row, re-reading the row (mostly from L2) for each pass.
 //
 // Backward: a persistent grid. Each thread owns the same columns for every row
 // it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
-// of shared memory (no atomics, no registers held across rows). Each block then
+// of shared memory (no atomics), and loads its scale once. Each block then
 // writes one partial row, and a second kernel sums the partials in a fixed
 // order: gradients are bitwise reproducible. A grid of one block writes the
 // gradients itself.
@@ -387,33 +389,46 @@ struct RowThread {
 
 // ----------------------------------------------------------------- forward
 
-// The mean (0 for RMSNorm) and rstd of a row whose thread holds NV vectors of
-// it in registers (vector i when lane + i * tpr < nvec, zeros past the end).
-// sum(v, k) sums v over the row's threads, k = 0 for the mean, 1 for the
-// variance; every thread must call row_stats.
-template <typename A, int VEC, int NV, typename T, typename Sum>
-__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
-                                          int64_t nvec, bool centered, A epsilon, A inv_n,
-                                          A& mean, A& rstd, Sum&& sum) {
+// The mean (0 for RMSNorm) and rstd of a row of which a thread has NV vectors,
+// x_at(i), zeros where not in the row (in_row(i) false). sum(v, k) sums v
+// over the row's threads, k = 0 for the mean, 1 for the variance; every thread
+// must call row_stats.
+template <typename A, int VEC, int NV, typename XAt, typename InRow, typename Sum>
+__device__ __forceinline__ void row_stats(XAt&& x_at, InRow&& in_row, bool centered,
+                                          A epsilon, A inv_n, A& mean, A& rstd, Sum&& sum) {
   mean = 0;
   if (centered) {
     A s[1] = {0};
 #pragma unroll
-    for (int i = 0; i < NV; ++i)
+    for (int i = 0; i < NV; ++i) {
+      const auto x = x_at(i);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
+      for (int e = 0; e < VEC; ++e) s[0] += x.get(e);
+    }
     sum(s, 0);
     mean = s[0] * inv_n;
   }
   A ss[1] = {0};
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    if (lane + int64_t(i) * tpr >= nvec) continue;
+    if (!in_row(i)) continue;
+    const auto x = x_at(i);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
+    for (int e = 0; e < VEC; ++e) ss[0] += (x.get(e) - mean) * (x.get(e) - mean);
   }
   sum(ss, 1);
   rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
+}
+
+// row_stats of a row held in registers, xv[i] its vector lane + i * tpr
+// where that is under nvec (zeros past the row's end).
+template <typename A, int VEC, int NV, typename T, typename Sum>
+__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
+                                          int64_t nvec, bool centered, A epsilon, A inv_n,
+                                          A& mean, A& rstd, Sum&& sum) {
+  row_stats<A, VEC, NV>([&](int i) -> const RegVec<T, VEC>& { return xv[i]; },
+                        [&](int i) { return lane + int64_t(i) * tpr < nvec; }, centered,
+                        epsilon, inv_n, mean, rstd, sum);
 }
 
 template <typename X, typename Y, typename W, int VEC, int NV>
@@ -634,21 +649,36 @@ struct BwdSmem {
   }
 };
 
+// Whether bwd_regs reads a staged row's x and dy from the ring at each use
+// (both passes) rather than holding them in registers across the row's
+// reductions. Its scale, the same columns for every row a thread visits, then
+// takes those registers, loaded once: loaded for each row at its use (from
+// global memory where staging it cost the SM a block) it was where the kernel
+// stalled most (Nsight Compute, benchmarks/NOTES.md v16).
+template <int VEC, int NV, bool kWideDy>
+constexpr bool bwd_scale_in_regs() {
+  return Ring<VEC, NV, 2, kWideDy>::kStaged;
+}
+
 // kPlain: no dres to add and the scale applied as it is (not zero-centered),
 // as in every plain RMSNorm and LayerNorm backward: with those compiled in the
 // kernel executed 8% more instructions and took 9-13% longer than without
 // (benchmarks/NOTES.md, v13).
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
-// so that the other launches keep their registers (107 against 128, bf16).
+// so that the other launches keep their registers.
+// At least one block an SM: the bound lets ptxas take up to 128 registers,
+// where by itself it gave some instantiations 64 and spilled (float32 with a
+// cluster a row: 16 bytes).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit>
-__global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
+__global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
   using R = Ring<VEC, NV, 2, kWideDy>;
   using M = BwdSmem<A, VEC, NV, kWideDy>;
-  __shared__ A smem[2 * 32 * 2];
-  RowSumTurns<A, 2> row_sums{smem};
+  constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
+  __shared__ __align__(16) A smem[2 * 32 * 2];
+  RowSumTurns<A, 2> row_sums{smem, a.tpr};
   __shared__ Packed<A, 2> cluster_slots[2];
   __shared__ Packed<A, 1> stats_slots[2];
   extern __shared__ __align__(16) unsigned char dyn[];
@@ -668,12 +698,28 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     if (a.has_scale) dw[j * a.tpr] = typename L::Chunk{};
     if (a.has_bias) db[j * a.tpr] = typename L::Chunk{};
   }
+  auto in_row = [&](int i) { return t.lane + int64_t(i) * a.tpr < t.nvec; };
   const W* w_src = a.has_scale ? static_cast<const W*>(a.scale) + t.col0 : nullptr;
-  if (a.stage_params) {  // never with a cluster a row
+  // The scale as applied (1 without one), in registers (kReread).
+  RegVec<W, VEC> wv[kReread ? NV : 1];
+  if constexpr (kReread) {
+    A ones[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) ones[e] = A(1);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      if (a.has_scale && in_row(i)) {
+        wv[i].load(w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
+      } else {
+        wv[i].pack(ones);
+      }
+    }
+  } else if (a.stage_params) {  // never with a cluster a row
     const W* no_bias = nullptr;
     stage_params(w_src, no_bias, a.hidden,
                  reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
   }
+  const A scale_offset = a.has_scale ? A(a.scale_offset) : A(0);
   // Starts the copies of group g's row: x, dy and the row's statistics.
   auto issue = [&](int stage, int64_t g) {
     const int64_t row = g * a.rows_per_block + t.slot;
@@ -693,13 +739,33 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
   int stage = 0;
   for (int64_t grp = first_grp; grp * a.rows_per_block < a.rows; grp += grp_stride) {
     R::advance(stage, grp, grp_stride, issue);
+    const int cur = stage;
+    stage = (stage + 1) % R::kStages;
     const int64_t row = grp * a.rows_per_block + t.slot;
     const bool valid = row < a.rows;
     const int64_t base = row * a.hidden + t.col0;
-    RegVec<X, VEC> xv[NV];
-    RegVec<G, VEC> gv[NV];
-    ring.read(xv, stage, 0, static_cast<const X*>(a.x) + base, valid, t.lane, a.tpr, t.nvec);
-    ring.read(gv, stage, 1, static_cast<const G*>(a.dy) + base, valid, t.lane, a.tpr, t.nvec);
+    // x and dy: in registers, or (kReread) in the ring's stage `cur`, which
+    // the next advance leaves alone (it fills the other).
+    RegVec<X, VEC> xv[kReread ? 1 : NV];
+    RegVec<G, VEC> gv[kReread ? 1 : NV];
+    if constexpr (!kReread) {
+      ring.read(xv, cur, 0, static_cast<const X*>(a.x) + base, valid, t.lane, a.tpr, t.nvec);
+      ring.read(gv, cur, 1, static_cast<const G*>(a.dy) + base, valid, t.lane, a.tpr, t.nvec);
+    }
+    // Vector i of x or dy. From the ring, a row past the end (a block's last
+    // group) or a vector past the row's end is stale: nothing uses it but the
+    // row's own sums, which then go unused too.
+    auto vec_at = [&](const auto& held, int k, int i) {  // k: 0 x, 1 dy
+      auto v = held[0];
+      if constexpr (kReread) {
+        v.load_shared(ring.at(cur, k, i));
+      } else {
+        v = held[i];
+      }
+      return v;
+    };
+    auto x_at = [&](int i) { return vec_at(xv, 0, i); };
+    auto dy_at = [&](int i) { return vec_at(gv, 1, i); };
     // Without saved statistics (the statistics-only forward this replaces
     // would read x once more), RMSNorm's rstd comes from the sum of squares,
     // reduced with the dot product: xhat is x until then, and dscale is
@@ -707,14 +773,19 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     const bool own_rms = !has_stats && !a.centered;
     A mean = 0, rstd = 1;
     if (!has_stats && a.centered) {
-      row_stats(xv, t.lane, a.tpr, t.nvec, true, A(a.epsilon), t.inv_n, mean, rstd,
-                [&](A (&v)[1], int) {
-                  row_sums(v, a.tpr);
-                  if constexpr (kSplit) cluster_stats_sum(v, parts);
-                });
+      auto x_or_zero = [&](int i) {
+        RegVec<X, VEC> v = x_at(i);
+        if (!valid || !in_row(i)) v.zero();
+        return v;
+      };
+      row_stats<A, VEC, NV>(x_or_zero, in_row, true, A(a.epsilon), t.inv_n, mean, rstd,
+                            [&](A (&v)[1], int) {
+                              row_sums(v, a.tpr);
+                              if constexpr (kSplit) cluster_stats_sum(v, parts);
+                            });
     } else if (has_stats && valid) {
       if constexpr (R::kStaged) {
-        const A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
+        const A* st = stats + (cur * 2) * blockDim.x + threadIdx.x;
         mean = a.centered ? st[0] : A(0);
         rstd = st[blockDim.x];
       } else {
@@ -722,18 +793,25 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
         rstd = static_cast<const A*>(a.rstd)[row];
       }
     }
-    stage = (stage + 1) % R::kStages;
-    if (a.stage_params) __syncthreads();  // every thread's scale copies
-    // xhat and g = dy * scale for vector i, from the registers.
+    if (!kReread && a.stage_params) __syncthreads();  // every thread's scale copies
+    // xhat and g = dy * scale for vector i.
     auto xhat_g = [&](int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
       A w[VEC];
-      unpack(xh, xv[i]);
-      unpack(d, gv[i]);
-      if (a.has_scale) load_vec_early(w, w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
+      unpack(xh, x_at(i));
+      unpack(d, dy_at(i));
+      if constexpr (kReread) {
+        unpack(w, wv[i]);
+      } else if (a.has_scale) {
+        load_vec_early(w, w_src + (t.lane + int64_t(i) * a.tpr) * VEC);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         xh[e] = (xh[e] - mean) * rstd;
-        g[e] = a.has_scale ? d[e] * (kPlain ? w[e] : w[e] + A(a.scale_offset)) : d[e];
+        if constexpr (kReread) {
+          g[e] = d[e] * (kPlain ? w[e] : w[e] + scale_offset);
+        } else {
+          g[e] = a.has_scale ? d[e] * (kPlain ? w[e] : w[e] + scale_offset) : d[e];
+        }
       }
     };
     auto accumulate_params = [&](int i, A (&d)[VEC], const A (&xh)[VEC]) {
@@ -747,7 +825,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
     A s[2] = {0, 0};
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      if (t.lane + int64_t(i) * a.tpr >= t.nvec) continue;
+      if (!in_row(i)) continue;
       A xh[VEC], d[VEC], g[VEC];
       xhat_g(i, xh, d, g);
       add_row_dots(s, g, xh, own_rms);
@@ -790,7 +868,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) bwd_regs(BwdArgs a) {
 template <typename X, typename G, typename W, int VEC>
 __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
   using A = acc_t<X>;
-  __shared__ A smem[32 * 2];
+  __shared__ __align__(16) A smem[32 * 2];
   const int64_t nvec = a.hidden / VEC;
   const A inv_n = A(1) / A(a.hidden);
   A* pw = static_cast<A*>(a.partial) + int64_t(blockIdx.x) * a.hidden;
@@ -966,8 +1044,9 @@ template <typename X, typename G, typename W, int VEC>
 size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
   return with_variant<VEC, kMaxBwdNv>(plan, [&](auto v) {
     using V = decltype(v);
-    const size_t staged = staged_param_bytes<W, VEC>(hidden, int(has_scale));
     constexpr bool kWideDy = sizeof(G) > sizeof(X);
+    const bool stage = has_scale && !bwd_scale_in_regs<VEC, V::nv, kWideDy>();
+    const size_t staged = stage ? staged_param_bytes<W, VEC>(hidden, 1) : 0;
     return BwdSmem<acc_t<X>, VEC, V::nv, kWideDy>::scale(plan.threads(), regions) + staged;
   });
 }
@@ -1033,9 +1112,9 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
                      : &bwd_regs<X, G, W, VEC, V::nv, false, false>;
       });
     }
-    // A staged scale saves the loads at its use, but not at the cost of a
-    // second block on the SM: 4096x8192 bf16 RMSNorm needs 116 KB with it,
-    // 100 KB without (v14).
+    // Kernels that hold the scale in registers stage nothing (staged ==
+    // unstaged). Otherwise a staged scale saves the loads at its use, but not
+    // at the cost of a second block on the SM (v14).
     const size_t staged = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions);
     const size_t unstaged = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions);
     l.stage_scale = plan.parts == 1 && staged > unstaged && staged <= dev.max_dynamic_smem &&
