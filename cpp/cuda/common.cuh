@@ -260,6 +260,13 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
   r.store_global(p);
 }
 
+// The first warp of the row that thread threadIdx.x works on, with `tpr`
+// threads a row (a multiple of 32).
+__device__ __forceinline__ int row_first_warp(int tpr) {
+  const int warp = threadIdx.x / 32;
+  return tpr >= 32 ? warp - warp % (tpr / 32) : warp;
+}
+
 // Sums K values over the `tpr` consecutive threads that share a row. tpr is a
 // power of two up to 32, or a multiple of 32; `smem` holds K values per warp of
 // the block (16-byte aligned). Every thread of the block must call it (it may
@@ -286,7 +293,7 @@ __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_
   }
   if (tpr <= 32) return;
   const int warp = threadIdx.x / 32;
-  if (first_warp < 0) first_warp = warp - warp % (tpr / 32);
+  if (first_warp < 0) first_warp = row_first_warp(tpr);
   using P = Packed<A, K>;
   P* slots = reinterpret_cast<P*>(smem);
   if (threadIdx.x % 32 == 0) {
@@ -304,13 +311,6 @@ __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_
     for (int k = 0; k < K; ++k) v[k] += p.v[k];
   }
   if (reuse_sync) __syncthreads();
-}
-
-// The first warp of the row that thread threadIdx.x works on, with `tpr`
-// threads a row (a multiple of 32).
-__device__ __forceinline__ int row_first_warp(int tpr) {
-  const int warp = threadIdx.x / 32;
-  return tpr >= 32 ? warp - warp % (tpr / 32) : warp;
 }
 
 // Shared memory for row_sum of up to kMaxK values in two sets that calls take

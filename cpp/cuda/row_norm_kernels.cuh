@@ -1068,8 +1068,8 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   return p;
 }
 
-// Backward rows: the element-wise plan; else 4 vectors a thread (8 or
-// more spill: the backward holds x and dy), with as many rows per block as
+// Backward rows: the element-wise plan; else 4 vectors a thread (the ring
+// stages no more, and 8 held in registers spilled), with as many rows per block as
 // keep two blocks on an SM, or the long path when a row does not fit.
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
