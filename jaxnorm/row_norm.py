@@ -6,7 +6,7 @@ share one forward and one backward primitive; LayerNorm is the `centered` case
 h = x + residual and returns h too; its backward is the norm's backward of h
 plus the cotangent of h, added in the same kernel. The forward saves x (h) and
 per-row float32 statistics (mean, rstd), never the output; the backward reads
-them (or, for RMSNorm whose forward output is dead, computes them itself:
+them (or, where the forward's output is dead, computes them itself:
 `_drop_recomputable_stats`). With `zero_centered` the scale is applied as (1 + scale).
 
 Dtype rule: x may be float32, bfloat16, float16 or float64; statistics are
@@ -206,17 +206,14 @@ def _stats_only_forward(rstd) -> ir.Operation | None:
     return op if stats_only and _shape(residual) == [0] else None
 
 
-def _drop_recomputable_stats(ctx, args, *, centered, **_):
-    """Where RMSNorm's statistics come from a statistics-only forward of the
-    same x (the forward's output dead, as under jax.grad), the backward is
-    given none and computes them from the x it reads anyway: the forward then
-    has no reader left and XLA removes it, which saves a read of x. A forward
-    whose output is used keeps its statistics, and the backward reads them.
-    LayerNorm keeps them always: its mean needs a block reduction of its own
-    before the others, which cost the backward kernel more than the read saved
-    (benchmarks/NOTES.md, v15)."""
+def _drop_recomputable_stats(ctx, args, **_):
+    """Where the statistics come from a statistics-only forward of the same x
+    (the forward's output dead, as under jax.grad), the backward is given none
+    and computes them from the x it reads anyway: the forward then has no
+    reader left and XLA removes it, which saves a read of x. A forward whose
+    output is used keeps its statistics, and the backward reads them."""
     x, rstd = args[0], args[3]
-    fwd = None if centered else _stats_only_forward(rstd)
+    fwd = _stats_only_forward(rstd)
     if fwd is None or _unreshaped(fwd.operands[0]) != _unreshaped(x):
         return ctx, args
     absent = jax.core.ShapedArray((0,), ctx.avals_in[3].dtype)

@@ -158,6 +158,15 @@ struct RegVec {
   }
 };
 
+// Asks L2 for `bytes` (a multiple of 16) from p (16-byte aligned) with one
+// instruction (sm_90; nothing before): a kernel that can only load them late,
+// behind its stores, then waits on L2 rather than DRAM.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes));
+#endif
+}
+
 // Asynchronous copies from global to shared memory that bypass registers
 // (cp.async, sm_80+): a thread issues copies, closes them into a group with
 // cp_async_commit(), and cp_async_wait<N>() waits until at most N of its groups
@@ -366,24 +375,31 @@ cudaError_t launch_clusters(void (*kernel)(Args...), unsigned grid, int threads,
   }
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t config = cluster_config(grid, threads, smem, cluster, stream, attr);
-  return cudaLaunchKernelEx(&config, kernel, args...);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, args...);
+  // A failed call is also the runtime's last error, which the next launch's
+  // check would report as its own: reported here, it is cleared.
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
 }
 
-// K per-block totals summed over the blocks of a thread-block cluster
-// (sm_90), in the order of their ranks in every block, so that each block
-// gets the same bits. Each call publishes the block's totals in the other of
-// two slots than the call before: a block writes a slot again only after the
-// next call's barrier, which every block reaches only after its reads of it.
-// finish() keeps the block's shared memory until no block reads it any more.
-template <typename A, int K>
+// Up to kMaxK per-block totals summed over the blocks of a thread-block
+// cluster (sm_90), in the order of their ranks in every block, so that each
+// block gets the same bits. Each call publishes the block's totals in the
+// other of two slots than the call before: a block writes a slot again only
+// after the next call's barrier, which every block reaches only after its
+// reads of it. finish() keeps the block's shared memory until no block reads
+// it any more.
+template <typename A, int kMaxK>
 class ClusterSum {
  public:
-  __device__ explicit ClusterSum(Packed<A, K>* slots) : slots_(slots) {}
+  __device__ explicit ClusterSum(Packed<A, kMaxK>* slots) : slots_(slots) {}
 
   // Every thread of every block calls it, v holding the block's totals.
+  template <int K>
   __device__ void operator()(A (&v)[K], int parts) {
+    static_assert(K <= kMaxK);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    Packed<A, K>* mine = slots_ + parity_;
+    Packed<A, kMaxK>* mine = slots_ + parity_;
     if (threadIdx.x == 0) {
 #pragma unroll
       for (int k = 0; k < K; ++k) mine->v[k] = v[k];
@@ -393,7 +409,7 @@ class ClusterSum {
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = 0;
     for (int r = 0; r < parts; ++r) {
-      const auto* p = static_cast<const Packed<A, K>*>(__cluster_map_shared_rank(mine, r));
+      const auto* p = static_cast<const Packed<A, kMaxK>*>(__cluster_map_shared_rank(mine, r));
 #pragma unroll
       for (int k = 0; k < K; ++k) v[k] += p->v[k];
     }
@@ -410,7 +426,7 @@ class ClusterSum {
   }
 
  private:
-  Packed<A, K>* slots_;
+  Packed<A, kMaxK>* slots_;
   int parity_ = 0;
 };
 
@@ -428,9 +444,13 @@ struct DeviceInfo {
   int sms = 132;
   // Dynamic shared memory one block may opt in to, less a margin for the
   // kernels' static shared memory.
-  size_t max_dynamic_smem = 47 * 1024;
+  size_t max_dynamic_smem = 46 * 1024;
   bool clusters = false;  // thread-block clusters (sm_90 and later)
 };
+
+// Above the most static shared memory of any kernel (the backward's, 1056
+// bytes: ptxas -v): beyond the margin, the opt-in fails and so does the launch.
+constexpr size_t kStaticSmemMargin = 2048;
 
 inline DeviceInfo query_device(int device) {
   DeviceInfo d;
@@ -441,7 +461,7 @@ inline DeviceInfo query_device(int device) {
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
       cudaSuccess) {
-    d.max_dynamic_smem = size_t(v) - 1024;
+    d.max_dynamic_smem = size_t(v) - kStaticSmemMargin;
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess) {
     d.clusters = v != 0;

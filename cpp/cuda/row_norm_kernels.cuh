@@ -249,9 +249,9 @@ __device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const Fwd
 }
 
 // The cotangent of new_residual (dres), added to dx in the backward of the
-// fused residual add. Loaded with the row's x and dy, not where it is added:
-// there, after the row's reductions and behind earlier stores, it cost a
-// memory round trip of its own (benchmarks/NOTES.md, v12).
+// fused residual add. Loaded ahead of the stores of dx, not where it is
+// added: there, behind earlier stores, each vector cost a memory round trip
+// of its own (benchmarks/NOTES.md, v12).
 template <typename X, int VEC>
 struct Dres {
   RegVec<X, VEC> v;
@@ -389,46 +389,33 @@ struct RowThread {
 
 // ----------------------------------------------------------------- forward
 
-// The mean (0 for RMSNorm) and rstd of a row of which a thread has NV vectors,
-// x_at(i), zeros where not in the row (in_row(i) false). sum(v, k) sums v
-// over the row's threads, k = 0 for the mean, 1 for the variance; every thread
-// must call row_stats.
-template <typename A, int VEC, int NV, typename XAt, typename InRow, typename Sum>
-__device__ __forceinline__ void row_stats(XAt&& x_at, InRow&& in_row, bool centered,
-                                          A epsilon, A inv_n, A& mean, A& rstd, Sum&& sum) {
+// The mean (0 for RMSNorm) and rstd of a row whose thread holds NV vectors of
+// it in registers (vector i when lane + i * tpr < nvec, zeros past the end).
+// sum(v, k) sums v over the row's threads, k = 0 for the mean, 1 for the
+// variance; every thread must call row_stats.
+template <typename A, int VEC, int NV, typename T, typename Sum>
+__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
+                                          int64_t nvec, bool centered, A epsilon, A inv_n,
+                                          A& mean, A& rstd, Sum&& sum) {
   mean = 0;
   if (centered) {
     A s[1] = {0};
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      const auto x = x_at(i);
+    for (int i = 0; i < NV; ++i)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s[0] += x.get(e);
-    }
+      for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
     sum(s, 0);
     mean = s[0] * inv_n;
   }
   A ss[1] = {0};
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
-    if (!in_row(i)) continue;
-    const auto x = x_at(i);
+    if (lane + int64_t(i) * tpr >= nvec) continue;
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) ss[0] += (x.get(e) - mean) * (x.get(e) - mean);
+    for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
   }
   sum(ss, 1);
   rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
-}
-
-// row_stats of a row held in registers, xv[i] its vector lane + i * tpr
-// where that is under nvec (zeros past the row's end).
-template <typename A, int VEC, int NV, typename T, typename Sum>
-__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
-                                          int64_t nvec, bool centered, A epsilon, A inv_n,
-                                          A& mean, A& rstd, Sum&& sum) {
-  row_stats<A, VEC, NV>([&](int i) -> const RegVec<T, VEC>& { return xv[i]; },
-                        [&](int i) { return lane + int64_t(i) * tpr < nvec; }, centered,
-                        epsilon, inv_n, mean, rstd, sum);
 }
 
 template <typename X, typename Y, typename W, int VEC, int NV>
@@ -569,15 +556,59 @@ struct AccLayout {
   using Chunk = Packed<A, K>;
 };
 
-// The backward's two row sums: s[0] += sum g * xhat, s[1] += sum g, or with
-// `squares` (RMSNorm computing its statistics, xh then x itself) sum x * x.
-template <int VEC, typename A>
-__device__ __forceinline__ void add_row_dots(A (&s)[2], const A (&g)[VEC], const A (&xh)[VEC],
-                                             bool squares = false) {
+// What the backward's first pass sums over a row, g = dy * scale:
+enum class RowDots {
+  kSaved,   // with the forward's statistics: sum g * xhat, sum g
+  kOwnRms,  // RMSNorm computing rstd: sum g * x, sum x * x
+  // LayerNorm computing mean and rstd, about a shift k, the row's first
+  // element: sum g * (x - k), sum (x - k)^2, sum (x - k), sum g. One
+  // reduction instead of three (the mean, then the variance about it, then the
+  // dots: 25-50% on the kernel, v15). The shift is what keeps the variance
+  // from cancelling: x - k is of the order of the row's spread, not its
+  // mean. What cancels, (mean - k)^2 / var, is at most n even where k is the
+  // row's outlier (its own square alone makes var >= (k - mean)^2 / n).
+  kOwnLn,
+};
+
+constexpr int row_dot_count(RowDots mode) { return mode == RowDots::kOwnLn ? 4 : 2; }
+
+// Adds one vector to the row sums; xh is xhat (kSaved) or x - k.
+template <RowDots kMode, int VEC, typename A>
+__device__ __forceinline__ void add_row_dots(A (&s)[row_dot_count(kMode)], const A (&g)[VEC],
+                                             const A (&xh)[VEC]) {
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
     s[0] += g[e] * xh[e];
-    s[1] += squares ? xh[e] * xh[e] : g[e];
+    s[1] += kMode == RowDots::kSaved ? g[e] : xh[e] * xh[e];
+    if constexpr (kMode == RowDots::kOwnLn) {
+      s[2] += xh[e];
+      s[3] += g[e];
+    }
+  }
+}
+
+// From a row's sums: the dx terms c_gx = mean(g * xhat) and c_g = mean(g)
+// (LayerNorm), and, computing them, the statistics. mean holds the saved
+// mean or the shift k, rstd the saved rstd.
+template <RowDots kMode, typename A>
+__device__ __forceinline__ void row_dx_terms(const A (&s)[row_dot_count(kMode)], bool centered,
+                                             A epsilon, A inv_n, A& mean, A& rstd, A& c_gx,
+                                             A& c_g) {
+  if constexpr (kMode == RowDots::kSaved) {
+    c_gx = s[0] * inv_n;
+    c_g = centered ? s[1] * inv_n : A(0);
+  } else if constexpr (kMode == RowDots::kOwnRms) {
+    rstd = rsqrt_acc(s[1] * inv_n + epsilon);
+    c_gx = s[0] * rstd * inv_n;  // sum g * xhat = rstd * sum g * x
+    c_g = 0;
+  } else {
+    const A shifted_mean = s[2] * inv_n;
+    const A var = s[1] * inv_n - shifted_mean * shifted_mean;
+    mean += shifted_mean;
+    rstd = rsqrt_acc((var > A(0) ? var : A(0)) + epsilon);
+    // sum g * (x - mean) = sum g * (x - k) - (mean - k) * sum g
+    c_gx = (s[0] - shifted_mean * s[3]) * rstd * inv_n;
+    c_g = s[3] * inv_n;
   }
 }
 
@@ -633,8 +664,8 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 }
 
 // Shared memory of the backward, in order: the ring (x, dy), the per-thread
-// statistics of each stage (mean, rstd), the dscale/dbias accumulators, and the
-// staged scale.
+// statistics of each stage (mean, rstd; or, computing them, LayerNorm's shift),
+// the dscale/dbias accumulators, and the staged scale.
 template <typename A, int VEC, int NV, bool kWideDy>
 struct BwdSmem {
   using R = Ring<VEC, NV, 2, kWideDy>;
@@ -677,16 +708,14 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
   using R = Ring<VEC, NV, 2, kWideDy>;
   using M = BwdSmem<A, VEC, NV, kWideDy>;
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
-  __shared__ __align__(16) A smem[2 * 32 * 2];
-  RowSumTurns<A, 2> row_sums{smem, a.tpr};
-  __shared__ Packed<A, 2> cluster_slots[2];
-  __shared__ Packed<A, 1> stats_slots[2];
+  __shared__ __align__(16) A smem[2 * 32 * 4];
+  RowSumTurns<A, 4> row_sums{smem, a.tpr};
+  __shared__ Packed<A, 4> cluster_slots[2];
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
-  ClusterSum<A, 2> cluster_sum(cluster_slots);
-  ClusterSum<A, 1> cluster_stats_sum(stats_slots);
+  ClusterSum<A, 4> cluster_sum(cluster_slots);
   const bool has_stats = a.rstd != nullptr;
   const int regions = int(a.has_scale) + int(a.has_bias);
   const int per_slot = NV * L::kChunks * a.tpr;
@@ -720,7 +749,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
                  reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
   }
   const A scale_offset = a.has_scale ? A(a.scale_offset) : A(0);
-  // Starts the copies of group g's row: x, dy and the row's statistics.
+  // Starts the copies of group g's row: x, dy and the row's statistics (or
+  // LayerNorm's shift: sizeof(A) bytes from the row's start, whole elements).
   auto issue = [&](int stage, int64_t g) {
     const int64_t row = g * a.rows_per_block + t.slot;
     if constexpr (R::kStaged) {
@@ -728,8 +758,15 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
       const int64_t base = row * a.hidden + t.col0;
       ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
       ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
-      if (!has_stats) return;
+      if (!kPlain && a.dres != nullptr && t.lane == 0) {  // dres, a row ahead of its use
+        prefetch_l2(static_cast<const X*>(a.dres) + base, uint32_t(t.nvec * VEC * sizeof(X)));
+      }
       A* st = stats + (stage * 2) * blockDim.x + threadIdx.x;
+      if (!has_stats) {
+        const X* row_start = static_cast<const X*>(a.x) + row * a.hidden;
+        if (a.centered) cp_async_scalar(st, reinterpret_cast<const A*>(row_start));
+        return;
+      }
       if (a.centered) cp_async_scalar(st, static_cast<const A*>(a.mean) + row);
       cp_async_scalar(st + blockDim.x, static_cast<const A*>(a.rstd) + row);
     }
@@ -766,31 +803,24 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
     };
     auto x_at = [&](int i) { return vec_at(xv, 0, i); };
     auto dy_at = [&](int i) { return vec_at(gv, 1, i); };
-    // Without saved statistics (the statistics-only forward this replaces
-    // would read x once more), RMSNorm's rstd comes from the sum of squares,
-    // reduced with the dot product: xhat is x until then, and dscale is
-    // accumulated after. LayerNorm's two-pass statistics come first.
-    const bool own_rms = !has_stats && !a.centered;
+    // The saved statistics; or, computing them (the statistics-only forward
+    // this replaces would read x once more), LayerNorm's shift and rstd 1, so
+    // that the first pass sees x - shift as xhat.
     A mean = 0, rstd = 1;
-    if (!has_stats && a.centered) {
-      auto x_or_zero = [&](int i) {
-        RegVec<X, VEC> v = x_at(i);
-        if (!valid || !in_row(i)) v.zero();
-        return v;
-      };
-      row_stats<A, VEC, NV>(x_or_zero, in_row, true, A(a.epsilon), t.inv_n, mean, rstd,
-                            [&](A (&v)[1], int) {
-                              row_sums(v, a.tpr);
-                              if constexpr (kSplit) cluster_stats_sum(v, parts);
-                            });
-    } else if (has_stats && valid) {
+    if (valid && (has_stats || a.centered)) {
       if constexpr (R::kStaged) {
         const A* st = stats + (cur * 2) * blockDim.x + threadIdx.x;
-        mean = a.centered ? st[0] : A(0);
-        rstd = st[blockDim.x];
-      } else {
+        if (has_stats) {
+          mean = a.centered ? st[0] : A(0);
+          rstd = st[blockDim.x];
+        } else {
+          mean = to_acc(reinterpret_cast<const X*>(st)[0]);
+        }
+      } else if (has_stats) {
         mean = a.centered ? static_cast<const A*>(a.mean)[row] : A(0);
         rstd = static_cast<const A*>(a.rstd)[row];
+      } else {
+        mean = to_acc(static_cast<const X*>(a.x)[row * a.hidden]);
       }
     }
     if (!kReread && a.stage_params) __syncthreads();  // every thread's scale copies
@@ -822,25 +852,46 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
         accumulate<A, VEC>(dw + i * L::kChunks * a.tpr, a.tpr, d);
       }
     };
-    A s[2] = {0, 0};
+    // The first pass: the row's sums, reduced over the row (and its cluster),
+    // then the dx terms. dscale and dbias are accumulated here where xhat is
+    // known, else in the second pass.
+    A c_gx, c_g;
+    auto first_pass = [&](auto mode) {
+      constexpr RowDots kMode = decltype(mode)::value;
+      A s[row_dot_count(kMode)] = {};
 #pragma unroll
-    for (int i = 0; i < NV; ++i) {
-      if (!in_row(i)) continue;
-      A xh[VEC], d[VEC], g[VEC];
-      xhat_g(i, xh, d, g);
-      add_row_dots(s, g, xh, own_rms);
-      if (valid && !own_rms) accumulate_params(i, d, xh);
+      for (int i = 0; i < NV; ++i) {
+        if (!in_row(i)) continue;
+        A xh[VEC], d[VEC], g[VEC];
+        xhat_g(i, xh, d, g);
+        add_row_dots<kMode>(s, g, xh);
+        if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
+      }
+      row_sums(s, a.tpr);
+      if constexpr (kSplit) cluster_sum(s, parts);
+      row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
+    };
+    using Mode = RowDots;
+    if (has_stats) {
+      first_pass(std::integral_constant<Mode, Mode::kSaved>{});
+    } else if (a.centered) {
+      first_pass(std::integral_constant<Mode, Mode::kOwnLn>{});
+    } else {
+      first_pass(std::integral_constant<Mode, Mode::kOwnRms>{});
     }
-    row_sums(s, a.tpr);
-    if constexpr (kSplit) cluster_sum(s, parts);
-    if (own_rms) {
-      rstd = rsqrt_acc(s[1] * t.inv_n + A(a.epsilon));
-      s[0] *= rstd;  // sum g * xhat = rstd * sum g * x
-    }
-    const A c_gx = s[0] * t.inv_n;
-    const A c_g = a.centered ? s[1] * t.inv_n : A(0);
     if (!valid) continue;
     X* dxr = static_cast<X*>(a.dx) + base;
+    // dres: each vector loaded at its use waited for the previous vector's
+    // store (v12), so all of the row's are loaded before the first store
+    // (from L2: the row was prefetched with its x and dy). Loaded with x and
+    // dy instead, they took registers across the reductions (v12, 27 more).
+    Dres<X, VEC> dres[kPlain ? 1 : NV];
+    if constexpr (!kPlain) {
+#pragma unroll
+      for (int i = 0; i < NV; ++i) {
+        dres[i].load(a, base + (t.lane + int64_t(i) * a.tpr) * VEC, in_row(i));
+      }
+    }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       const int64_t c = t.lane + int64_t(i) * a.tpr;
@@ -849,14 +900,8 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
       xhat_g(i, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
-      if (own_rms) accumulate_params(i, d, xh);
-      // dres at its use: loaded with x and dy, NV vectors of it took up to 27
-      // more registers, which this kernel's occupancy cannot spare.
-      if constexpr (!kPlain) {
-        Dres<X, VEC> dres;
-        dres.load(a, base + c * VEC);
-        dres.add_to(o, a);
-      }
+      if (!has_stats) accumulate_params(i, d, xh);
+      if constexpr (!kPlain) dres[i].add_to(o, a);
       store_vec(dxr + c * VEC, o);
     }
   }
@@ -894,7 +939,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
     for (int64_t c = threadIdx.x; c < nvec; c += blockDim.x) {
       A xh[VEC], d[VEC], g[VEC];
       load(base, c, mean, rstd, xh, d, g);
-      add_row_dots(s, g, xh);
+      add_row_dots<RowDots::kSaved>(s, g, xh);
     }
     row_sum(s, blockDim.x, smem);
     const A c_gx = s[0] * inv_n;
