@@ -76,20 +76,23 @@ def test_large_mean_is_stable(op):
     assert_close(y, norm_np(x, None, None, eps, centered, 1), jnp.float32, scale=20)
 
 
-@pytest.mark.parametrize("shape", [(600, 1024), (40, 2052), (3, 96)], ids=str)
+# On a GPU: staged rows, rows not a whole number of 16-byte vectors (the
+# element-wise path), rows split over a cluster, few rows.
+@pytest.mark.parametrize("shape", [(600, 1024), (600, 1023), (540, 8196), (40, 2052), (3, 96)],
+                         ids=str)
 def test_layer_norm_gradients_of_a_large_mean(shape):
     """The backward that computes LayerNorm's statistics sums x about a shift,
     the row's first element: rows with |mean| >> std, and rows whose first
     element lies far out, must keep their variance (float64 reference).
     float32 x near 1e3 is rounded by ~6e-5, which an element 40 std out turns
-    into errors of ~3e-3 in any float32 computation (the CPU's two-pass one
-    too), hence the bound; sums of x * x not shifted would miss by O(1)."""
+    into errors of up to ~7e-3 in any float32 computation (the CPU's two-pass
+    one too), hence the bound; sums of x * x not shifted miss by O(1)."""
     x = np.array(rand(4, shape, jnp.float32, offset=1e3))
     x[::2, 0] += 40.0  # the shift 40 std from the rest of its row
     x[1::4, 0] -= 1e3  # and 1000 std
     x = jnp.asarray(x)
     scale, bias = params("layer_norm", 4, shape[-1:], jnp.float32)
-    check_grads64("layer_norm", x, scale, bias, rand(5, shape, jnp.float32), tol_scale=50)
+    check_grads64("layer_norm", x, scale, bias, rand(5, shape, jnp.float32), tol_scale=100)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -307,13 +310,16 @@ def test_float32_output_of_bf16_x(op, shape):
     check_values(op, x, scale, bias, out_dtype=jnp.float32, dtype=jnp.float32)
     _, centered, eps = OPS[op]
     dy = rand(34, shape, jnp.float32)
-    _, pullback = jax.vjp(lambda *a: call(op, *a, dtype=jnp.float32), x, scale, bias)
-    got = jax.jit(pullback)(dy)
+    fn = functools.partial(call, op, dtype=jnp.float32)
+    _, pullback = jax.vjp(fn, x, scale, bias)
+    # Also with the forward's output dead: the backward computes the statistics.
+    fused = jax.jit(lambda dy, *a: jax.vjp(fn, *a)[1](dy))
     want = vjp64(x, scale, bias, dy, eps, centered, 1)
-    for g, w, arg in zip(got, want, (x, scale, bias)):
-        if w is not None:
-            assert g.dtype == arg.dtype
-            assert_close(g, w, jnp.bfloat16, scale=float(np.sqrt(shape[0])))
+    for got in (jax.jit(pullback)(dy), fused(dy, x, scale, bias)):
+        for g, w, arg in zip(got, want, (x, scale, bias)):
+            if w is not None:
+                assert g.dtype == arg.dtype
+                assert_close(g, w, jnp.bfloat16, scale=float(np.sqrt(shape[0])))
 
 
 @pytest.mark.parametrize("op", OPS)

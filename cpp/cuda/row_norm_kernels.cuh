@@ -883,8 +883,9 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
     X* dxr = static_cast<X*>(a.dx) + base;
     // dres: each vector loaded at its use waited for the previous vector's
     // store (v12), so all of the row's are loaded before the first store
-    // (from L2: the row was prefetched with its x and dy). Loaded with x and
-    // dy instead, they took registers across the reductions (v12, 27 more).
+    // (from L2 where the ring prefetched the row with its x and dy). Loaded
+    // with x and dy instead, they took registers across the reductions (v12,
+    // 27 more).
     Dres<X, VEC> dres[kPlain ? 1 : NV];
     if constexpr (!kPlain) {
 #pragma unroll
