@@ -218,10 +218,12 @@ def check_grads64(op, x, scale, bias, dy, ndim=1, tol_scale=1.0):
 # 8 at 32768 and 16 at 65536); the backward of rows over 2048 vectors in
 # clusters of 4 or 8 blocks, each a slice of the row (32768 and 65536 bf16),
 # slices of unequal length (16392 bf16 and 8196 float32: 2049 vectors, 4
-# slices); short rows several to a block (statistics of 1024-wide rows);
-# statistics of 2048-wide rows (the generic 8-vector plan); parameters of
-# another dtype, staged in shared memory (bf16 x, f32 scale) or not (f32 x,
-# bf16 scale, rows not whole 16-byte chunks of it).
+# slices); float32 parameters of float64 rows too long for 4 vectors a thread
+# (8 bytes a vector through shared memory); short rows several to a block
+# (statistics of 1024-wide rows); statistics of 2048-wide rows (the generic
+# 8-vector plan); parameters of another dtype, staged in shared memory (bf16
+# x, f32 scale) or not (f32 x, bf16 scale, rows not whole 16-byte chunks of
+# it).
 PLAN_CASES = [
     ((1, 4096), jnp.bfloat16, jnp.bfloat16),
     ((40, 1024), jnp.bfloat16, jnp.bfloat16),
@@ -246,6 +248,7 @@ PLAN_CASES = [
     ((530, 65536), jnp.bfloat16, jnp.float32),
     ((600, 16392), jnp.bfloat16, jnp.bfloat16),
     ((550, 8196), jnp.float32, jnp.float32),
+    ((40, 4100), jnp.float64, jnp.float32),
     ((600, 2048), jnp.bfloat16, jnp.bfloat16),
 ]
 

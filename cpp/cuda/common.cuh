@@ -196,6 +196,21 @@ __device__ __forceinline__ void cp_async_scalar(T* smem, const T* gmem) {
 #endif
 }
 
+// Copies kBytes (8, or a multiple of 16) from global to shared memory with
+// cp.async; both addresses aligned to 16 bytes (8 for 8).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_bytes(void* smem, const void* gmem) {
+  if constexpr (kBytes == 8) {
+    cp_async_scalar(static_cast<uint2*>(smem), static_cast<const uint2*>(gmem));
+  } else {
+    static_assert(kBytes % 16 == 0);
+#pragma unroll
+    for (int c = 0; c < kBytes / 16; ++c) {
+      cp_async16(static_cast<uint4*>(smem) + c, static_cast<const uint4*>(gmem) + c);
+    }
+  }
+}
+
 __device__ __forceinline__ void cp_async_commit() {
 #if __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -208,6 +223,31 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
+
+// The order of a thread's cp.async copies through a ring of kStages stages:
+// while it works on item g, items g + 1 ... g + kStages - 1 are in flight.
+// Items are numbered first, first + stride, ...; issue(stage, g) starts the
+// copies of item g into `stage` (nothing past the last item).
+template <int kStages>
+struct CpAsyncStages {
+  // Starts the first kStages - 1 items.
+  template <typename F>
+  __device__ static void prime(F&& issue, int64_t first, int64_t stride) {
+#pragma unroll
+    for (int s = 0; s + 1 < kStages; ++s) {
+      issue(s, first + s * stride);
+      cp_async_commit();
+    }
+  }
+  // Before the thread works on item g (in `stage`): starts the item
+  // kStages - 1 ahead into the stage it read last, and waits for g's copies.
+  template <typename F>
+  __device__ static void advance(int stage, int64_t g, int64_t stride, F&& issue) {
+    issue((stage + kStages - 1) % kStages, g + (kStages - 1) * stride);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
+  }
+};
 
 // A single 16-bit element: nothing to pack.
 template <typename T, int N>
@@ -442,15 +482,17 @@ inline bool aligned16(const void* p) {
 struct DeviceInfo {
   int device = 0;
   int sms = 132;
-  // Dynamic shared memory one block may opt in to, less a margin for the
+  // Shared memory one block may opt in to (static and dynamic), and the
+  // dynamic shared memory a plan may ask for: that less a margin for the
   // kernels' static shared memory.
-  size_t max_dynamic_smem = 46 * 1024;
+  size_t smem_optin = 48 * 1024;
+  size_t max_dynamic_smem = 44 * 1024;
   bool clusters = false;  // thread-block clusters (sm_90 and later)
 };
 
-// Above the most static shared memory of any kernel (the backward's, 1056
-// bytes: ptxas -v): beyond the margin, the opt-in fails and so does the launch.
-constexpr size_t kStaticSmemMargin = 2048;
+// Above the most static shared memory of any kernel (the float64 backward's,
+// 2112 bytes: ptxas -v), so that every plan's dynamic shared memory fits.
+constexpr size_t kStaticSmemMargin = 4096;
 
 inline DeviceInfo query_device(int device) {
   DeviceInfo d;
@@ -461,6 +503,7 @@ inline DeviceInfo query_device(int device) {
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
       cudaSuccess) {
+    d.smem_optin = size_t(v);
     d.max_dynamic_smem = size_t(v) - kStaticSmemMargin;
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess) {
@@ -496,14 +539,25 @@ int per_launch_shape(const DeviceInfo& dev, K kernel, int threads, size_t smem, 
 }
 
 // Lets `kernel` take `bytes` of dynamic shared memory. Beyond 48 KB a kernel
-// must opt in (a limit that counts its static shared memory too, hence the
-// margin). The opt-in is raised to the device's limit, not to `bytes`, so
-// that a later launch with less does not lower it under an earlier one's.
+// must opt in, to at most the device's limit less its own static shared
+// memory (asking for more fails: "invalid argument"). The opt-in is raised to
+// that most, not to `bytes`, so that a later launch with less does not lower
+// it under an earlier one's.
 template <typename K>
 cudaError_t allow_dynamic_smem(K kernel, size_t bytes, const DeviceInfo& dev) {
   if (bytes <= 40 * 1024) return cudaSuccess;
+  cudaFuncAttributes attr;
+  if (const cudaError_t e = cudaFuncGetAttributes(&attr, kernel); e != cudaSuccess) return e;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              int(dev.max_dynamic_smem));
+                              int(dev.smem_optin - attr.sharedSizeBytes));
+}
+
+// allow_dynamic_smem, asked once per device, kernel and size.
+template <typename K>
+cudaError_t allow_dynamic_smem_once(K kernel, size_t bytes, const DeviceInfo& dev) {
+  return cudaError_t(per_launch_shape(dev, kernel, 0, bytes, [&] {
+    return int(allow_dynamic_smem(kernel, bytes, dev));
+  }));
 }
 
 }  // namespace jaxnorm::cuda

@@ -152,6 +152,70 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
 
 // ----------------------------------------------------------------- forward
 
+// The long-row forward (8 or 16 vectors a thread at up to 512 threads: one or
+// two blocks an SM) loads the residual after x, each vector just before its h
+// is stored, and scale and bias at their use, after the reduction: its
+// registers hold the row. Loaded from global memory there, each vector waited
+// behind the thread's previous store (the compiler moves no load past one), a
+// memory round trip a vector with no other block on the SM to fill the wait
+// (benchmarks/NOTES.md, v18). So each thread copies its own vectors of them
+// into shared memory (cp.async) kSlots - 1 vectors ahead of their use: no
+// registers, no barrier (no thread reads another's cells).
+template <typename W, int VEC, bool kCentered>
+struct LateLoads {
+  static constexpr int kTensors = kCentered ? 2 : 1;  // scale (and bias)
+  static constexpr int kCell = int(sizeof(W)) * VEC;  // bytes of one vector
+  static constexpr int kCellPad = kCell < 16 ? 16 : kCell;
+  // 128 bytes a thread: 64 KB for 512 threads, two blocks an SM
+  static constexpr int kSlots = 128 / (kCellPad * kTensors) < 8 ? 128 / (kCellPad * kTensors) : 8;
+  static_assert(kSlots >= 2);
+  using Stages = CpAsyncStages<kSlots>;
+  unsigned char* base;
+
+  static size_t bytes(int threads) { return size_t(kSlots) * kTensors * kCellPad * threads; }
+  __device__ __forceinline__ unsigned char* at(int slot, int k) const {
+    return base + ((slot * kTensors + k) * int(blockDim.x) + int(threadIdx.x)) * kCellPad;
+  }
+  template <typename T>
+  __device__ __forceinline__ const T* cell(int slot, int k) const {
+    return reinterpret_cast<const T*>(at(slot, k));
+  }
+  // Starts copying the vector at src (a vector of W, or of X for the residual:
+  // 16 bytes, at most a cell) into tensor k's cell of `slot`.
+  template <typename T>
+  __device__ __forceinline__ void issue(int slot, int k, const T* src) const {
+    static_assert(int(sizeof(T)) * VEC <= kCellPad);
+    cp_async_bytes<int(sizeof(T)) * VEC>(at(slot, k), src);
+  }
+  template <typename T>
+  __device__ __forceinline__ void read(RegVec<T, VEC>& v, int slot, int k) const {
+    v.load_shared(reinterpret_cast<const uint4*>(at(slot, k)));
+  }
+};
+
+// The fused residual add (add_store) of the long-row forward, its residual
+// through `late`'s first cells.
+template <int VEC, int NV, typename X, int kVecs, typename Late>
+__device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
+                                                  int64_t row_start,
+                                                  const RowSpan<kVecs, NV>& span,
+                                                  const Late& late) {
+  const X* res = static_cast<const X*>(a.residual) + row_start;
+  X* out = static_cast<X*>(a.new_residual) + row_start;
+  auto issue = [&](int slot, int64_t i) {
+    if (i < NV && span.in(int(i))) late.issue(slot, 0, res + span.at(int(i)) * VEC);
+  };
+  Late::Stages::prime(issue, 0, 1);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) {
+    Late::Stages::advance(i % Late::kSlots, i, 1, issue);
+    if (!span.in(i)) continue;
+    RegVec<X, VEC> r;
+    late.read(r, i % Late::kSlots, 0);
+    add_store(xv[i], r, out + span.at(i) * VEC);
+  }
+}
+
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
 // and bias need more than the 64 registers a 1024-thread block leaves.
 constexpr int fwd_block_threads(int nv, bool write_y) {
@@ -162,7 +226,8 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // RMSNorm). kWriteY = false writes the statistics only (the forward of a
 // gradient, whose output is unused). kEarlyParams loads scale and bias with x,
 // before the reduction, rather than at their use: one memory round trip
-// fewer, for more registers. kSplit > 1 (decode only): kSplit blocks share a
+// fewer, for more registers; otherwise, with 8 or more vectors a thread, they
+// come through shared memory (LateLoads). kSplit > 1 (decode only): kSplit blocks share a
 // row; each reduces all of it (with the same bits: block_row_stats) and
 // normalizes and writes NV / kSplit of its vectors, the registers its flip
 // brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
@@ -187,17 +252,32 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
+  constexpr bool kLate = kWriteY && !kEarlyParams && NV >= 8;  // LateLoads
+  using Late = LateLoads<W, VEC, kCentered>;
+  extern __shared__ __align__(16) unsigned char dyn[];
+  const Late late{dyn};
+  auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
+    if (i >= kOwn || !span.in(int(i))) return;
+    if (use_w) late.issue(slot, 0, scale + span.at(int(i)) * VEC);
+    if (use_b) late.issue(slot, 1, bias + span.at(int(i)) * VEC);
+  };
   auto load_params = [&] {
     if constexpr (kHold) {
       if (use_w) load_row(wv, scale, span);
       if (use_b) load_row(bv, bias, span);
+    } else if constexpr (kLate) {
+      Late::Stages::prime(issue_params, 0, 1);  // in flight through the reduction
     }
   };
-  if (kSplit == 1 && a.residual) {  // never split (launch_fwd_block): compiled out there
+  const bool residual = kSplit == 1 && a.residual;  // never split (launch_fwd_block)
+  if (residual && !kLate) {
     load_params();  // before the residual add's stores, which no load passes
     add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden, [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
+    if constexpr (kLate) {
+      if (residual) add_residual_late(xv, a, row * hidden, span, late);
+    }
     load_params();  // where ptxas places it: after the first sum (v9)
   }
   A mean, rstd;
@@ -224,6 +304,7 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     Y* yr = static_cast<Y*>(a.y) + row * hidden;
 #pragma unroll
     for (int i = 0; i < kOwn; ++i) {
+      if constexpr (kLate) Late::Stages::advance(i % Late::kSlots, i, 1, issue_params);
       if (!span.in(i)) continue;
       const int c = span.at(i);
       A w[VEC], b[VEC];
@@ -232,6 +313,12 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
         unpack(b, bv[i]);
 #pragma unroll
         for (int e = 0; e < VEC; ++e) w[e] += A(a.scale_offset);
+      } else if constexpr (kLate) {
+        // As plain loads (load_vec): read as RegVec words, LayerNorm's
+        // 8-vector kernel took 78 registers instead of 64 and lost its second
+        // block on the SM (v18).
+        if (use_w) load_scale(w, late.template cell<W>(i % Late::kSlots, 0), a.scale_offset);
+        if (use_b) load_vec(b, late.template cell<W>(i % Late::kSlots, 1));
       } else {
         if (use_w) load_scale(w, scale + c * VEC, a.scale_offset);
         if (use_b) load_vec(b, bias + c * VEC);
@@ -249,7 +336,8 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
 // (benchmarks/NOTES.md, v6). A block is at least a warp. The fused residual
 // add holds more registers: 4 for statistics only too. Rows with y too long
 // for 512 threads at 4 take 8 or 16 a thread (up to 8192 vectors, 65536
-// bf16), with scale and bias loaded at their use (v14).
+// bf16), with scale, bias and residual loaded late (v14) through shared
+// memory (LateLoads, v18).
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, int sms) {
   if (rows > (int64_t(1) << 30)) return 0;
   const int few_tpr = threads_per_row(nvec, kFewNv);
@@ -330,8 +418,16 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
       });
     }
-    if (nv == 8) return launch(fwd_block<X, Y, W, VEC, 8, kC, true, false>);
-    if (nv == 16) return launch(fwd_block<X, Y, W, VEC, 16, kC, true, false>);
+    if (nv == 8 || nv == 16) {
+      auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
+                            : fwd_block<X, Y, W, VEC, 16, kC, true, false>;
+      const size_t smem = LateLoads<W, VEC, kC>::bytes(threads);
+      if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
+        return e;
+      }
+      kernel<<<unsigned(a.rows), threads, smem, stream>>>(a);
+      return cudaGetLastError();
+    }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
     const bool cheap =

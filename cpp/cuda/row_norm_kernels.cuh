@@ -203,37 +203,41 @@ __device__ __forceinline__ void load_scale(A (&w)[VEC], const W* p, float offset
   for (int e = 0; e < VEC; ++e) w[e] += A(offset);
 }
 
-// The fused residual add of vectors in(i) of a thread's NV: x[i] becomes
-// h = x + residual, rounded to X as the unfused sum would be, and is written
-// to new_residual. at(i) is vector i's index in the row. A thread reads each
-// element of residual before it writes the same element of new_residual, and
-// no other thread touches it, so the two may alias.
+// The fused residual add of one vector: x becomes h = x + r, rounded to X as
+// the unfused sum would be, and is stored to `out` (new_residual).
+template <int VEC, typename X>
+__device__ __forceinline__ void add_store(RegVec<X, VEC>& x, const RegVec<X, VEC>& r, X* out) {
+  acc_t<X> h[VEC];
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) h[e] = x.get(e) + r.get(e);
+  x.pack(h);
+  x.store_global(out);
+}
+
+// The fused residual add of vectors in(i) of a thread's NV (add_store). at(i)
+// is vector i's index in the row. A thread reads each element of residual
+// before it writes the same element of new_residual, and no other thread
+// touches it, so the two may alias.
 // kAhead vectors are loaded before the first of them is stored: the compiler
 // moves no load past a store (inline PTX), so in the decode kernels loading
 // vector i + 1 after storing vector i cost a memory round trip
-// (benchmarks/NOTES.md, v12). Kernels with many vectors a thread keep
-// kAhead = 1: more would cost them registers (spills at 16 vectors), and
-// their SMs hold other rows' blocks to hide the wait.
+// (benchmarks/NOTES.md, v12). Kernels with 4 vectors a thread keep
+// kAhead = 1: more would cost them registers, and their SMs hold other rows'
+// blocks to hide the wait. The long-row forward has a way of its own
+// (LateLoads in row_norm_block.cuh).
 template <int kAhead, int VEC, int NV, typename X, typename In, typename At>
 __device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
                                              int64_t row_start, In&& in, At&& at) {
   static_assert(kAhead == 1 || kAhead == NV);
   const X* res = static_cast<const X*>(a.residual) + row_start;
   X* out = static_cast<X*>(a.new_residual) + row_start;
-  auto add_store = [&](int i, const RegVec<X, VEC>& r) {
-    acc_t<X> h[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) h[e] = xv[i].get(e) + r.get(e);
-    xv[i].pack(h);
-    xv[i].store_global(out + int64_t(at(i)) * VEC);
-  };
   if constexpr (kAhead == 1) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       if (!in(i)) continue;
       RegVec<X, VEC> r;
       r.load(res + int64_t(at(i)) * VEC);
-      add_store(i, r);
+      add_store(xv[i], r, out + int64_t(at(i)) * VEC);
     }
   } else {
     RegVec<X, VEC> r[NV];
@@ -243,7 +247,7 @@ __device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const Fwd
     }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      if (in(i)) add_store(i, r[i]);
+      if (in(i)) add_store(xv[i], r[i], out + int64_t(at(i)) * VEC);
     }
   }
 }
@@ -310,28 +314,11 @@ struct Ring {
   // Two stages: one row in flight while the thread works on another (three
   // measured no faster).
   static constexpr int kStages = kStaged ? 2 : 1;
+  using Stages = CpAsyncStages<kStages>;
   uint4* base;
 
   static __host__ __device__ size_t bytes(int threads) {
     return kStaged ? size_t(kStages) * kTensors * NV * threads * sizeof(uint4) : 0;
-  }
-  // Starts the block's first kStages - 1 row groups (it takes groups first,
-  // first + stride, ...); issue(stage, g) starts the copies of group g into
-  // `stage`.
-  template <typename F>
-  __device__ static void prime(F&& issue, int64_t first, int64_t stride) {
-    for (int s = 0; s + 1 < kStages; ++s) {
-      issue(s, first + s * stride);
-      cp_async_commit();
-    }
-  }
-  // Before the thread works on group g (in `stage`): starts the group
-  // kStages - 1 ahead into the stage it read last, and waits for g's copies.
-  template <typename F>
-  __device__ static void advance(int stage, int64_t g, int64_t stride, F&& issue) {
-    issue((stage + kStages - 1) % kStages, g + (kStages - 1) * stride);
-    cp_async_commit();
-    cp_async_wait<kStages - 1>();
   }
   __device__ uint4* at(int stage, int k, int i) const {
     return base + ((stage * kTensors + k) * NV + i) * blockDim.x + threadIdx.x;
@@ -442,10 +429,10 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   // The ring loop is written out here and in bwd_regs: behind a shared helper
   // taking the body as a lambda, ptxas gave this kernel 13-16 more registers
   // (benchmarks/NOTES.md, v5).
-  R::prime(issue, blockIdx.x, gridDim.x);
+  R::Stages::prime(issue, blockIdx.x, gridDim.x);
   int stage = 0;
   for (int64_t g = blockIdx.x; g * a.rows_per_block < a.rows; g += gridDim.x) {
-    R::advance(stage, g, gridDim.x, issue);
+    R::Stages::advance(stage, g, gridDim.x, issue);
     const int64_t row = g * a.rows_per_block + t.slot;
     const bool valid = row < a.rows;
     RegVec<X, VEC> xv[NV];
@@ -772,10 +759,10 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
     }
   };
   const int64_t first_grp = blockIdx.x / parts, grp_stride = gridDim.x / parts;
-  R::prime(issue, first_grp, grp_stride);
+  R::Stages::prime(issue, first_grp, grp_stride);
   int stage = 0;
   for (int64_t grp = first_grp; grp * a.rows_per_block < a.rows; grp += grp_stride) {
-    R::advance(stage, grp, grp_stride, issue);
+    R::Stages::advance(stage, grp, grp_stride, issue);
     const int cur = stage;
     stage = (stage + 1) % R::kStages;
     const int64_t row = grp * a.rows_per_block + t.slot;
