@@ -83,14 +83,16 @@ def add_jnp64(x, residual, scale, bias, eps, centered, zero_centered):
 
 
 def check_add_grads64(op, x, residual, scale, bias, zero_centered=False):
-    """Gradients with both cotangents (of y and of h) against float64 autodiff.
-    The float64 reference differentiates through the exact sum, the kernels
-    through the rounded one: both give h's gradient to x and residual."""
+    """Gradients with both cotangents (of y and of h) against float64 autodiff,
+    from a jitted pullback and from forward and backward in one jit (the
+    forward's y dead: it writes h and the statistics only). The float64
+    reference differentiates through the exact sum, the kernels through the
+    rounded one: both give h's gradient to x and residual."""
     _, centered, eps = ADD_OPS[op]
     dy, dh = rand(41, x.shape, x.dtype), rand(42, x.shape, x.dtype)
     f = functools.partial(add_call, op, zero_centered_scale=zero_centered)
     _, pullback = jax.vjp(f, x, residual, scale, bias)
-    got = jax.jit(pullback)((dy, dh))
+    fused = jax.jit(lambda *a: jax.vjp(f, *a)[1]((dy, dh)))
 
     f64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
     # The reference sees the rounded h as residual (x = 0), so both normalize the same row.
@@ -101,13 +103,14 @@ def check_add_grads64(op, x, residual, scale, bias, zero_centered=False):
     )
     dh64, ds64, db64 = pull64((f64(dy), f64(dh)))
     rows = x.size // x.shape[-1]
-    for g, want, arg, sums in zip(got, (dh64, dh64, ds64, db64), (x, residual, scale, bias),
-                                  (1, 1, rows, rows)):
-        if arg is None:
-            assert g is None
-            continue
-        assert g.dtype == arg.dtype and g.shape == arg.shape
-        assert_close(g, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
+    for got in (jax.jit(pullback)((dy, dh)), fused(x, residual, scale, bias)):
+        for g, want, arg, sums in zip(got, (dh64, dh64, ds64, db64), (x, residual, scale, bias),
+                                      (1, 1, rows, rows)):
+            if arg is None:
+                assert g is None
+                continue
+            assert g.dtype == arg.dtype and g.shape == arg.shape
+            assert_close(g, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
 
 
 @pytest.mark.parametrize("op", ADD_OPS)

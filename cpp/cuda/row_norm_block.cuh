@@ -152,18 +152,18 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
 
 // ----------------------------------------------------------------- forward
 
-// The long-row forward (8 or 16 vectors a thread at up to 512 threads: one or
-// two blocks an SM) loads the residual after x, each vector just before its h
-// is stored, and scale and bias at their use, after the reduction: its
-// registers hold the row. Loaded from global memory there, each vector waited
+// The long-row forward (8 or 16 vectors a thread at up to 512 threads with y,
+// 8 at up to 1024 for the statistics: one or two blocks an SM) loads the
+// residual after x, each vector just before its h is stored, and scale and
+// bias at their use, after the reduction: its registers hold the row. Loaded from global memory there, each vector waited
 // behind the thread's previous store (the compiler moves no load past one), a
 // memory round trip a vector with no other block on the SM to fill the wait
 // (benchmarks/NOTES.md, v18). So each thread copies its own vectors of them
 // into shared memory (cp.async) kSlots - 1 vectors ahead of their use: no
-// registers, no barrier (no thread reads another's cells).
-template <typename W, int VEC, bool kCentered>
+// registers, no barrier (no thread reads another's cells). kTensors: 2 for
+// scale and bias, else 1 (the scale, or the residual alone).
+template <typename W, int VEC, int kTensors>
 struct LateLoads {
-  static constexpr int kTensors = kCentered ? 2 : 1;  // scale (and bias)
   static constexpr int kCell = int(sizeof(W)) * VEC;  // bytes of one vector
   static constexpr int kCellPad = kCell < 16 ? 16 : kCell;
   // 128 bytes a thread: 64 KB for 512 threads, two blocks an SM
@@ -216,6 +216,11 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
   }
 }
 
+// LateLoads' tensors in fwd_block: scale and bias (LayerNorm with y), else one.
+constexpr int fwd_late_tensors(bool centered, bool write_y) {
+  return centered && write_y ? 2 : 1;
+}
+
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
 // and bias need more than the 64 registers a 1024-thread block leaves.
 constexpr int fwd_block_threads(int nv, bool write_y) {
@@ -252,8 +257,10 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
-  constexpr bool kLate = kWriteY && !kEarlyParams && NV >= 8;  // LateLoads
-  using Late = LateLoads<W, VEC, kCentered>;
+  // LateLoads: the residual, and with y, scale and bias
+  constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
+  constexpr bool kLate = kWriteY && kLateResidual;
+  using Late = LateLoads<W, VEC, fwd_late_tensors(kCentered, kWriteY)>;
   extern __shared__ __align__(16) unsigned char dyn[];
   const Late late{dyn};
   auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
@@ -270,12 +277,12 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     }
   };
   const bool residual = kSplit == 1 && a.residual;  // never split (launch_fwd_block)
-  if (residual && !kLate) {
+  if (residual && !kLateResidual) {
     load_params();  // before the residual add's stores, which no load passes
     add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden, [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
-    if constexpr (kLate) {
+    if constexpr (kLateResidual) {
       if (residual) add_residual_late(xv, a, row * hidden, span, late);
     }
     load_params();  // where ptxas places it: after the first sum (v9)
@@ -334,10 +341,11 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
 // least a warp (two warps for statistics): on shorter rows the generic
 // kernels' several rows a block are faster. Measured on an H200
 // (benchmarks/NOTES.md, v6). A block is at least a warp. The fused residual
-// add holds more registers: 4 for statistics only too. Rows with y too long
-// for 512 threads at 4 take 8 or 16 a thread (up to 8192 vectors, 65536
-// bf16), with scale, bias and residual loaded late (v14) through shared
-// memory (LateLoads, v18).
+// add holds more registers: 4 for statistics only too. Rows too long for
+// 512 threads at 4 take 8 or 16 a thread with y (up to 8192 vectors, 65536
+// bf16), 8 for the statistics with the residual (at up to 1024 threads),
+// with scale, bias and residual loaded late (v14) through shared memory
+// (LateLoads, v18).
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, int sms) {
   if (rows > (int64_t(1) << 30)) return 0;
   const int few_tpr = threads_per_row(nvec, kFewNv);
@@ -345,10 +353,13 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual,
   const int nv = write_y || residual ? 4 : 8;
   const int tpr = threads_per_row(nvec, nv);
   if (tpr < (nv == 4 ? 32 : 64)) return 0;
-  if (tpr <= fwd_block_threads(nv, write_y)) return nv;
-  if (!write_y) return 0;
-  for (int long_nv : {8, 16}) {  // long rows: no spills at 512 threads (ptxas)
-    if (threads_per_row(nvec, long_nv) <= fwd_block_threads(long_nv, true)) return long_nv;
+  if (tpr <= fwd_block_threads(nv, write_y || residual)) return nv;
+  if (write_y) {
+    for (int long_nv : {8, 16}) {  // no spills at 512 threads (ptxas)
+      if (threads_per_row(nvec, long_nv) <= fwd_block_threads(long_nv, true)) return long_nv;
+    }
+  } else if (residual && threads_per_row(nvec, 8) <= fwd_block_threads(8, false)) {
+    return 8;
   }
   return 0;
 }
@@ -398,10 +409,20 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     kernel<<<unsigned(a.rows * split), threads, 0, stream>>>(a);
     return cudaGetLastError();
   };
+  auto launch_late = [&](void (*kernel)(FwdArgs), size_t smem) {  // with LateLoads
+    if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
+      return e;
+    }
+    kernel<<<unsigned(a.rows), threads, smem, stream>>>(a);
+    return cudaGetLastError();
+  };
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
     if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
-      if (nv == 8) return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>);
+      if (nv == 8) {
+        auto kernel = fwd_block<X, X, X, VEC, 8, kC, false, false>;
+        return launch_late(kernel, a.residual ? LateLoads<X, VEC, 1>::bytes(threads) : 0);
+      }
       if (nv == 4) return launch(fwd_block<X, X, X, VEC, 4, kC, false, false>);
       return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
@@ -421,12 +442,7 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     if (nv == 8 || nv == 16) {
       auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
                             : fwd_block<X, Y, W, VEC, 16, kC, true, false>;
-      const size_t smem = LateLoads<W, VEC, kC>::bytes(threads);
-      if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
-        return e;
-      }
-      kernel<<<unsigned(a.rows), threads, smem, stream>>>(a);
-      return cudaGetLastError();
+      return launch_late(kernel, LateLoads<W, VEC, fwd_late_tensors(kC, true)>::bytes(threads));
     }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
