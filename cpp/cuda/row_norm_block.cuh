@@ -155,13 +155,14 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
 // The long-row forward (8 or 16 vectors a thread at up to 512 threads with y,
 // 8 at up to 1024 for the statistics: one or two blocks an SM) loads the
 // residual after x, each vector just before its h is stored, and scale and
-// bias at their use, after the reduction: its registers hold the row. Loaded from global memory there, each vector waited
-// behind the thread's previous store (the compiler moves no load past one), a
-// memory round trip a vector with no other block on the SM to fill the wait
-// (benchmarks/NOTES.md, v18). So each thread copies its own vectors of them
-// into shared memory (cp.async) kSlots - 1 vectors ahead of their use: no
-// registers, no barrier (no thread reads another's cells). kTensors: 2 for
-// scale and bias, else 1 (the scale, or the residual alone).
+// bias at their use, after the reduction: its registers hold the row. Loaded
+// from global memory there, each vector waited behind the thread's previous
+// store (the compiler moves no load past one), a memory round trip a vector
+// with no other block on the SM to fill the wait (benchmarks/NOTES.md, v18).
+// So each thread copies its own vectors of them into shared memory (cp.async)
+// kSlots - 1 vectors ahead of their use: no registers, no barrier (no thread
+// reads another's cells). kTensors: 2 for scale and bias, else 1 (the scale,
+// or the residual alone).
 template <typename W, int VEC, int kTensors>
 struct LateLoads {
   static constexpr int kCell = int(sizeof(W)) * VEC;  // bytes of one vector
@@ -216,10 +217,9 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
   }
 }
 
-// LateLoads' tensors in fwd_block: scale and bias (LayerNorm with y), else one.
-constexpr int fwd_late_tensors(bool centered, bool write_y) {
-  return centered && write_y ? 2 : 1;
-}
+// fwd_block's LateLoads: scale and bias (LayerNorm with y), else one tensor.
+template <typename W, int VEC, bool kCentered, bool kWriteY>
+using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1>;
 
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
 // and bias need more than the 64 registers a 1024-thread block leaves.
@@ -232,10 +232,10 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // gradient, whose output is unused). kEarlyParams loads scale and bias with x,
 // before the reduction, rather than at their use: one memory round trip
 // fewer, for more registers; otherwise, with 8 or more vectors a thread, they
-// come through shared memory (LateLoads). kSplit > 1 (decode only): kSplit blocks share a
-// row; each reduces all of it (with the same bits: block_row_stats) and
-// normalizes and writes NV / kSplit of its vectors, the registers its flip
-// brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
+// come through shared memory (LateLoads). kSplit > 1 (decode only): kSplit
+// blocks share a row; each reduces all of it (with the same bits:
+// block_row_stats) and normalizes and writes NV / kSplit of its vectors, the
+// registers its flip brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
 // kRowVecs / NV threads a block (RowSpan).
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
           bool kEarlyParams, int kSplit = 1, int kRowVecs = 0>
@@ -260,7 +260,7 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   // LateLoads: the residual, and with y, scale and bias
   constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
   constexpr bool kLate = kWriteY && kLateResidual;
-  using Late = LateLoads<W, VEC, fwd_late_tensors(kCentered, kWriteY)>;
+  using Late = FwdLateLoads<W, VEC, kCentered, kWriteY>;
   extern __shared__ __align__(16) unsigned char dyn[];
   const Late late{dyn};
   auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
@@ -405,23 +405,22 @@ template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
   const int threads = threads_per_row(a.hidden / VEC, nv);
-  auto launch = [&](void (*kernel)(FwdArgs), int split = 1) {
-    kernel<<<unsigned(a.rows * split), threads, 0, stream>>>(a);
-    return cudaGetLastError();
-  };
-  auto launch_late = [&](void (*kernel)(FwdArgs), size_t smem) {  // with LateLoads
-    if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
-      return e;
+  auto launch = [&](void (*kernel)(FwdArgs), int split = 1, size_t smem = 0) {
+    if (smem > 0) {  // LateLoads
+      if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
+        return e;
+      }
     }
-    kernel<<<unsigned(a.rows), threads, smem, stream>>>(a);
+    kernel<<<unsigned(a.rows * split), threads, smem, stream>>>(a);
     return cudaGetLastError();
   };
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
     if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
       if (nv == 8) {
-        auto kernel = fwd_block<X, X, X, VEC, 8, kC, false, false>;
-        return launch_late(kernel, a.residual ? LateLoads<X, VEC, 1>::bytes(threads) : 0);
+        using Late = FwdLateLoads<X, VEC, kC, false>;
+        return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>, 1,
+                      a.residual ? Late::bytes(threads) : 0);
       }
       if (nv == 4) return launch(fwd_block<X, X, X, VEC, 4, kC, false, false>);
       return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
@@ -442,7 +441,7 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     if (nv == 8 || nv == 16) {
       auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
                             : fwd_block<X, Y, W, VEC, 16, kC, true, false>;
-      return launch_late(kernel, LateLoads<W, VEC, fwd_late_tensors(kC, true)>::bytes(threads));
+      return launch(kernel, 1, FwdLateLoads<W, VEC, kC, true>::bytes(threads));
     }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
