@@ -250,6 +250,11 @@ PLAN_CASES = [
     ((550, 8196), jnp.float32, jnp.float32),
     ((40, 4100), jnp.float64, jnp.float32),
     ((600, 2048), jnp.bfloat16, jnp.bfloat16),
+    # long rows with a partial last block of vectors; rows beyond a block's
+    # reach
+    ((9, 40968), jnp.bfloat16, jnp.bfloat16),
+    ((5, 131080), jnp.bfloat16, jnp.float32),
+    ((3, 32772), jnp.float64, jnp.float64),
 ]
 
 

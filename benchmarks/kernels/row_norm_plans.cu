@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -228,7 +229,10 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, dev));
   const float copy = copy_gbps(s, sms);
-  std::printf("device %s, %d SMs, copy %.0f GB/s\n", prop.name, sms, copy);
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  std::printf("device %s, %d SMs, copy %.0f GB/s, %s\n", prop.name, sms, copy, date);
   // What a launch costs in these graphs before any work: an empty kernel.
   for (int blocks : {1, 64}) {
     const float us = time_us(s, [&] { empty_kernel<<<blocks, 256, 0, s>>>(); });
@@ -324,6 +328,30 @@ int main(int argc, char** argv) {
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
      }
+    }
+    // Rows over 2048 vectors: the backward's cluster split as planned (s*,
+    // its grid the resident clusters cudaOccupancyMaxActiveClusters reports,
+    // up to one a row), then on fewer clusters (s): a grid the GPU cannot
+    // hold at once runs its last clusters as a second wave.
+    if (bwd_plan.parts > 1 && few.blocks == 0) {
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y and statistics
+      const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
+      const int planned = l.grid / bwd_plan.parts;
+      std::vector<int> counts = {planned};
+      for (int k : {planned - 1, planned - 2, planned - 4, planned - 8, planned * 7 / 8,
+                    planned * 3 / 4, planned / 2}) {
+        if (k >= 1 && std::find(counts.begin(), counts.end(), k) == counts.end()) {
+          counts.push_back(k);
+        }
+      }
+      for (int k : counts) {
+        auto lk = l;
+        lk.grid = k * bwd_plan.parts;
+        char name[16];
+        std::snprintf(name, sizeof name, "s%d%s", bwd_plan.parts, k == planned ? "*" : "");
+        time_bwd(name, bwd_plan.tpr, 1, lk.grid, lk.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lk, ba)); });
+      }
     }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
     // row fits its block, with scale and bias loaded with x (e) or at their

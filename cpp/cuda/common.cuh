@@ -523,15 +523,16 @@ inline const DeviceInfo& device_info(int device) {
   return it->second;
 }
 
-// query(), asked once per device, kernel, block size and shared memory of a
-// launch and then remembered (one cache per call site: F is its lambda).
-// Handlers run on several threads: the cache is locked.
+// query(), asked once per device, kernel, block size, shared memory and
+// cluster size of a launch and then remembered (one cache per call site: F is
+// its lambda). Handlers run on several threads: the cache is locked.
 template <typename K, typename F>
-int per_launch_shape(const DeviceInfo& dev, K kernel, int threads, size_t smem, F&& query) {
+int per_launch_shape(const DeviceInfo& dev, K kernel, int threads, size_t smem, int cluster,
+                     F&& query) {
   static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, size_t>, int> known;
-  const auto key =
-      std::make_tuple(dev.device, reinterpret_cast<const void*>(kernel), threads, smem);
+  static std::map<std::tuple<int, const void*, int, size_t, int>, int> known;
+  const auto key = std::make_tuple(dev.device, reinterpret_cast<const void*>(kernel), threads,
+                                   smem, cluster);
   std::lock_guard<std::mutex> lock(mu);
   auto it = known.find(key);
   if (it == known.end()) it = known.emplace(key, query()).first;
@@ -555,7 +556,7 @@ cudaError_t allow_dynamic_smem(K kernel, size_t bytes, const DeviceInfo& dev) {
 // allow_dynamic_smem, asked once per device, kernel and size.
 template <typename K>
 cudaError_t allow_dynamic_smem_once(K kernel, size_t bytes, const DeviceInfo& dev) {
-  return cudaError_t(per_launch_shape(dev, kernel, 0, bytes, [&] {
+  return cudaError_t(per_launch_shape(dev, kernel, 0, bytes, 1, [&] {
     return int(allow_dynamic_smem(kernel, bytes, dev));
   }));
 }

@@ -995,7 +995,7 @@ inline int grid_size(int64_t groups, int64_t cap) {
 // kernel, device and shape of launch.
 template <typename K>
 int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
-  return per_launch_shape(dev, kernel, threads, smem, [&] {
+  return per_launch_shape(dev, kernel, threads, smem, 1, [&] {
     int n = 0;
     if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
@@ -1014,7 +1014,7 @@ int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
 // start when others end.
 template <typename K>
 int resident_clusters(K kernel, int threads, size_t smem, int parts, const DeviceInfo& dev) {
-  return per_launch_shape(dev, kernel, threads, smem, [&] {
+  return per_launch_shape(dev, kernel, threads, smem, parts, [&] {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t config =
         cluster_config(unsigned(parts), threads, smem, parts, nullptr, attr);
