@@ -353,6 +353,24 @@ int main(int argc, char** argv) {
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lk, ba)); });
       }
     }
+    // Rows that fit a block, split over a cluster of 2 or 4 anyway (c2, c4):
+    // smaller blocks, more of them an SM, where the shared memory a thread
+    // needs binds (LayerNorm's two accumulators: one 256-thread block an SM
+    // at 8192 wide).
+    if (bwd_plan.parts == 1 && bwd_plan.nv > 0 && few.blocks == 0 && info.clusters) {
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y and statistics
+      for (int parts : {2, 4}) {
+        RowPlan q = plan_bwd_split(c.rows, nvec, info);
+        q.parts = parts;
+        q.tpr = threads_per_row((nvec + parts - 1) / parts, kMaxBwdNv);
+        if (q.tpr < 32 || q.nv == 0) continue;
+        const auto l = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
+        char name[16];
+        std::snprintf(name, sizeof name, "c%d", parts);
+        time_bwd(name, q.tpr, 1, l.grid, l.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+      }
+    }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a
     // row fits its block, with scale and bias loaded with x (e) or at their
     // use, and for few rows also with two blocks a row (/2), with the row
