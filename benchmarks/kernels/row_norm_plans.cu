@@ -329,6 +329,18 @@ int main(int argc, char** argv) {
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
      }
     }
+    // The planned backward computing its rows' statistics from x (o*), as
+    // under jax.grad, where the forward's mean and rstd go unused and the
+    // forward itself is left out.
+    if (bwd_plan.nv > 0 && few.blocks == 0) {
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y, for the check
+      BwdArgs own = ba;
+      own.mean = own.rstd = nullptr;
+      own.epsilon = 1e-5;
+      const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
+      time_bwd(bwd_plan.parts > 1 ? "so*" : " o*", bwd_plan.tpr, bwd_plan.rows_per_block,
+               l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+    }
     // Rows over 2048 vectors: the backward's cluster split as planned (s*,
     // its grid the resident clusters cudaOccupancyMaxActiveClusters reports,
     // up to one a row), then on fewer clusters (s): a grid the GPU cannot
