@@ -250,6 +250,10 @@ PLAN_CASES = [
     ((550, 8196), jnp.float32, jnp.float32),
     ((40, 4100), jnp.float64, jnp.float32),
     ((600, 2048), jnp.bfloat16, jnp.bfloat16),
+    # the backward's dscale/dbias in registers (LayerNorm), rows a whole
+    # number of a block's vectors or not
+    ((600, 8192), jnp.bfloat16, jnp.bfloat16),
+    ((560, 7176), jnp.float16, jnp.float32),
     # long rows with a partial last block of vectors; rows beyond a block's
     # reach
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),

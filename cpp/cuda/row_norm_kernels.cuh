@@ -17,7 +17,7 @@
 //
 // Backward: a persistent grid. Each thread owns the same columns for every row
 // it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
-// of shared memory (no atomics), and loads its scale once. Each block then
+// of shared memory or in registers (no atomics), and loads its scale once. Each block then
 // writes one partial row, and a second kernel sums the partials in a fixed
 // order: gradients are bitwise reproducible. A grid of one block writes the
 // gradients itself.
@@ -33,6 +33,9 @@ constexpr int kBlockTarget = 256;    // threads per block when rows are short
 constexpr int kMaxNv = 8;            // vectors per thread, register path
 constexpr int kMaxBwdNv = 4;         // (the backward holds x and dy)
 constexpr size_t kTwoBlocksSmem = 110 * 1024;  // two blocks per SM still fit
+// Blocks of the backward that hold dscale/dbias in registers (bwd_regs) have
+// at most this many threads, so that ptxas may give them 255 registers.
+constexpr int kAccRegsThreads = 256;
 // Scale and bias are staged in shared memory up to this size.
 constexpr size_t kMaxStagedParams = 32 * 1024;
 
@@ -317,7 +320,7 @@ struct Ring {
   using Stages = CpAsyncStages<kStages>;
   uint4* base;
 
-  static __host__ __device__ size_t bytes(int threads) {
+  static constexpr __host__ __device__ size_t bytes(int threads) {
     return kStaged ? size_t(kStages) * kTensors * NV * threads * sizeof(uint4) : 0;
   }
   __device__ uint4* at(int stage, int k, int i) const {
@@ -653,17 +656,23 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 // Shared memory of the backward, in order: the ring (x, dy), the per-thread
 // statistics of each stage (mean, rstd; or, computing them, LayerNorm's shift),
 // the dscale/dbias accumulators, and the staged scale.
-template <typename A, int VEC, int NV, bool kWideDy>
+// Accumulators held in registers (kAccInRegs) are stored here only once the
+// rows are done, over the ring.
+template <typename A, int VEC, int NV, bool kWideDy, bool kAccInRegs = false>
 struct BwdSmem {
   using R = Ring<VEC, NV, 2, kWideDy>;
-  static __host__ __device__ size_t stats(int threads) {
+  static constexpr __host__ __device__ size_t stats(int threads) {
     return R::bytes(threads);
   }
-  static __host__ __device__ size_t acc(int threads) {
+  static constexpr __host__ __device__ size_t stats_end(int threads) {
     return stats(threads) + (R::kStaged ? size_t(R::kStages) * 2 * threads * sizeof(A) : 0);
   }
-  static __host__ __device__ size_t scale(int threads, int regions) {
-    return acc(threads) + size_t(regions) * threads * NV * VEC * sizeof(A);
+  static constexpr __host__ __device__ size_t acc(int threads) {
+    return kAccInRegs ? 0 : stats_end(threads);
+  }
+  static constexpr __host__ __device__ size_t scale(int threads, int regions) {
+    const size_t acc_end = acc(threads) + size_t(regions) * threads * NV * VEC * sizeof(A);
+    return acc_end > stats_end(threads) ? acc_end : stats_end(threads);
   }
 };
 
@@ -684,16 +693,21 @@ constexpr bool bwd_scale_in_regs() {
 // (benchmarks/NOTES.md, v13).
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
 // so that the other launches keep their registers.
-// At least one block an SM: the bound lets ptxas take up to 128 registers,
-// where by itself it gave some instantiations 64 and spilled (float32 with a
-// cluster a row: 16 bytes).
-template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit>
-__global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
+// kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
+// LayerNorm's rows (or a cluster's slices of them) of 7K-8K 16-bit elements a
+// block, where the two shared accumulators left the SM one block (plan_bwd). At least one block an SM: the
+// bound lets ptxas take up to 128 registers (255 with kAccInRegs), where by
+// itself it gave some instantiations 64 and spilled (float32 with a cluster a
+// row: 16 bytes).
+template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
+          bool kAccInRegs>
+__global__ void __launch_bounds__(kAccInRegs ? kAccRegsThreads : kMaxRowThreads, 1)
+    bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
   using R = Ring<VEC, NV, 2, kWideDy>;
-  using M = BwdSmem<A, VEC, NV, kWideDy>;
+  using M = BwdSmem<A, VEC, NV, kWideDy, kAccInRegs>;
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
@@ -710,9 +724,12 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
   auto* acc = reinterpret_cast<typename L::Chunk*>(dyn + M::acc(blockDim.x));
   auto* dw = acc + t.slot * per_slot + t.lane;  // this thread's dscale chunks
   auto* db = dw + (a.has_scale ? a.rows_per_block * per_slot : 0);
-  for (int j = 0; j < NV * L::kChunks; ++j) {
-    if (a.has_scale) dw[j * a.tpr] = typename L::Chunk{};
-    if (a.has_bias) db[j * a.tpr] = typename L::Chunk{};
+  A reg_dw[kAccInRegs ? NV : 1][VEC] = {}, reg_db[kAccInRegs ? NV : 1][VEC] = {};
+  if constexpr (!kAccInRegs) {
+    for (int j = 0; j < NV * L::kChunks; ++j) {
+      if (a.has_scale) dw[j * a.tpr] = typename L::Chunk{};
+      if (a.has_bias) db[j * a.tpr] = typename L::Chunk{};
+    }
   }
   auto in_row = [&](int i) { return t.lane + int64_t(i) * a.tpr < t.nvec; };
   const W* w_src = a.has_scale ? static_cast<const W*>(a.scale) + t.col0 : nullptr;
@@ -832,6 +849,14 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
       }
     };
     auto accumulate_params = [&](int i, A (&d)[VEC], const A (&xh)[VEC]) {
+      if constexpr (kAccInRegs) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          if (a.has_bias) reg_db[i][e] += d[e];
+          if (a.has_scale) reg_dw[i][e] += d[e] * xh[e];
+        }
+        return;
+      }
       if (a.has_bias) accumulate<A, VEC>(db + i * L::kChunks * a.tpr, a.tpr, d);
       if (a.has_scale) {
 #pragma unroll
@@ -895,6 +920,20 @@ __global__ void __launch_bounds__(kMaxRowThreads, 1) bwd_regs(BwdArgs a) {
   }
   cp_async_wait<0>();
   if constexpr (kSplit) cluster_sum.finish();
+  if constexpr (kAccInRegs) {
+    __syncthreads();  // every thread is done with the ring the sums now take
+#pragma unroll
+    for (int j = 0; j < NV * L::kChunks; ++j) {
+      typename L::Chunk w, b;
+#pragma unroll
+      for (int k = 0; k < L::K; ++k) {
+        w.v[k] = reg_dw[j / L::kChunks][j % L::kChunks * L::K + k];
+        b.v[k] = reg_db[j / L::kChunks][j % L::kChunks * L::K + k];
+      }
+      if (a.has_scale) dw[j * a.tpr] = w;
+      if (a.has_bias) db[j * a.tpr] = b;
+    }
+  }
   write_block_sums<W, VEC, A>(acc, regions, NV, a, t, parts);
 }
 
@@ -1063,6 +1102,7 @@ struct BwdLaunch {
   int grid = 0;
   int regions = 0;
   bool stage_scale = false;
+  bool acc_in_regs = false;
 
   // Partial rows: one a block (a cluster with plan.parts > 1).
   int64_t partial_rows() const { return grid / plan.parts; }
@@ -1074,14 +1114,45 @@ struct BwdLaunch {
 
 // Shared memory the backward's register path needs under `plan`.
 template <typename X, typename G, typename W, int VEC>
-size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions) {
+size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int regions,
+                      bool acc_in_regs = false) {
   return with_variant<VEC, kMaxBwdNv>(plan, [&](auto v) {
     using V = decltype(v);
     constexpr bool kWideDy = sizeof(G) > sizeof(X);
+    using A = acc_t<X>;
     const bool stage = has_scale && !bwd_scale_in_regs<VEC, V::nv, kWideDy>();
     const size_t staged = stage ? staged_param_bytes<W, VEC>(hidden, 1) : 0;
-    return BwdSmem<acc_t<X>, VEC, V::nv, kWideDy>::scale(plan.threads(), regions) + staged;
+    return (acc_in_regs ? BwdSmem<A, VEC, V::nv, kWideDy, true>::scale(plan.threads(), regions)
+                        : BwdSmem<A, VEC, V::nv, kWideDy>::scale(plan.threads(), regions)) +
+           staged;
   });
+}
+
+// Whether some plan of the backward may hold its accumulators in registers:
+// where two of them in shared memory, at kAccRegsThreads, leave the SM one
+// block (LayerNorm with 16-bit x). Other types do not compile that kernel.
+template <typename X, typename G, int VEC>
+constexpr bool may_hold_acc_in_regs() {
+  return VEC > 1 && BwdSmem<acc_t<X>, VEC, kMaxBwdNv, (sizeof(G) > sizeof(X))>::scale(
+                        kAccRegsThreads, 2) > kTwoBlocksSmem;
+}
+
+// The register path's kernel: kPlain, kSplit and kAccInRegs as the launch needs.
+template <typename X, typename G, typename W, int VEC>
+void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs))(BwdArgs) {
+  constexpr int NV = kMaxBwdNv;
+  if constexpr (may_hold_acc_in_regs<X, G, VEC>()) {
+    if (acc_in_regs) {
+      return split ? &bwd_regs<X, G, W, VEC, NV, true, true, true>
+                   : &bwd_regs<X, G, W, VEC, NV, true, false, true>;
+    }
+  }
+  if (split) {
+    return plain ? &bwd_regs<X, G, W, VEC, NV, true, true, false>
+                 : &bwd_regs<X, G, W, VEC, NV, false, true, false>;
+  }
+  return plain ? &bwd_regs<X, G, W, VEC, NV, true, false, false>
+               : &bwd_regs<X, G, W, VEC, NV, false, false, false>;
 }
 
 // Rows too long for a block: a cluster of blocks a row (sm_90), each a slice
@@ -1135,21 +1206,21 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   if (plan.nv == 0) {
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
-    if (plan.parts > 1) {
-      l.kernel = plain ? &bwd_regs<X, G, W, VEC, kMaxBwdNv, true, true>
-                       : &bwd_regs<X, G, W, VEC, kMaxBwdNv, false, true>;
-    } else {
-      l.kernel = with_variant<VEC, kMaxBwdNv>(plan, [plain](auto v) {
-        using V = decltype(v);
-        return plain ? &bwd_regs<X, G, W, VEC, V::nv, true, false>
-                     : &bwd_regs<X, G, W, VEC, V::nv, false, false>;
-      });
-    }
+    // Where the accumulators in shared memory leave the SM one block anyway,
+    // registers hold them: LayerNorm 4096x8192 bf16 88 -> 78 us on an H200
+    // (benchmarks/NOTES.md, v21). Only plain launches (neither the fused add's
+    // nor a zero-centered scale's), which spares the build four kernels a type.
+    l.acc_in_regs = may_hold_acc_in_regs<X, G, VEC>() && plain &&
+                    plan.threads() <= kAccRegsThreads &&
+                    bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
+    l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, l.acc_in_regs);
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
     // at the cost of a second block on the SM (v14).
-    const size_t staged = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions);
-    const size_t unstaged = bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions);
+    const size_t staged =
+        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions, l.acc_in_regs);
+    const size_t unstaged =
+        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions, l.acc_in_regs);
     l.stage_scale = plan.parts == 1 && staged > unstaged && staged <= dev.max_dynamic_smem &&
                     (staged <= kTwoBlocksSmem || unstaged > kTwoBlocksSmem);
     l.smem = l.stage_scale ? staged : unstaged;
