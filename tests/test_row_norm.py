@@ -254,6 +254,7 @@ PLAN_CASES = [
     # number of a block's vectors or not
     ((600, 8192), jnp.bfloat16, jnp.bfloat16),
     ((560, 7176), jnp.float16, jnp.float32),
+    ((560, 10248), jnp.bfloat16, jnp.float32),
     # long rows with a partial last block of vectors; rows beyond a block's
     # reach
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),

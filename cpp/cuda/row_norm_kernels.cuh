@@ -34,8 +34,10 @@ constexpr int kMaxNv = 8;            // vectors per thread, register path
 constexpr int kMaxBwdNv = 4;         // (the backward holds x and dy)
 constexpr size_t kTwoBlocksSmem = 110 * 1024;  // two blocks per SM still fit
 // Blocks of the backward that hold dscale/dbias in registers (bwd_regs) have
-// at most this many threads, so that ptxas may give them 255 registers.
-constexpr int kAccRegsThreads = 256;
+// at most this many threads (12288 bf16 a row), so that ptxas may give them
+// 168 registers; a cluster's slices, at most kMaxSliceThreads (up to 255).
+constexpr int kAccRegsThreads = 384;
+constexpr int kMaxSliceThreads = 256;  // the backward's cluster split
 // Scale and bias are staged in shared memory up to this size.
 constexpr size_t kMaxStagedParams = 32 * 1024;
 
@@ -694,14 +696,16 @@ constexpr bool bwd_scale_in_regs() {
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
 // so that the other launches keep their registers.
 // kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
-// LayerNorm's rows (or a cluster's slices of them) of 7K-8K 16-bit elements a
-// block, where the two shared accumulators left the SM one block (plan_bwd). At least one block an SM: the
-// bound lets ptxas take up to 128 registers (255 with kAccInRegs), where by
+// LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's 8K slices of
+// them), where the two shared accumulators left the SM one block (plan_bwd). At least one block an SM: the
+// bound lets ptxas take up to 128 registers (more with kAccInRegs), where by
 // itself it gave some instantiations 64 and spilled (float32 with a cluster a
 // row: 16 bytes).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
           bool kAccInRegs>
-__global__ void __launch_bounds__(kAccInRegs ? kAccRegsThreads : kMaxRowThreads, 1)
+__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
+                                  : kSplit    ? kMaxSliceThreads
+                                              : kAccRegsThreads, 1)
     bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
@@ -1130,10 +1134,10 @@ size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int r
 
 // Whether some plan of the backward may hold its accumulators in registers:
 // where two of them in shared memory, at kAccRegsThreads, leave the SM one
-// block (LayerNorm with 16-bit x). Other types do not compile that kernel.
+// block. Measured, and compiled, for 16-bit x only.
 template <typename X, typename G, int VEC>
 constexpr bool may_hold_acc_in_regs() {
-  return VEC > 1 && BwdSmem<acc_t<X>, VEC, kMaxBwdNv, (sizeof(G) > sizeof(X))>::scale(
+  return VEC > 1 && sizeof(X) == 2 && BwdSmem<acc_t<X>, VEC, kMaxBwdNv, (sizeof(G) > sizeof(X))>::scale(
                         kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
@@ -1163,7 +1167,7 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   RowPlan p = plan_with_nv(rows, nvec, 0, dev.sms);
   if (!dev.clusters) return p;
   int parts = 2;
-  while (parts < 8 && (nvec + parts - 1) / parts > 1024) parts *= 2;
+  while (parts < 8 && (nvec + parts - 1) / parts > kMaxSliceThreads * kMaxBwdNv) parts *= 2;
   const int64_t span = (nvec + parts - 1) / parts;
   if (span > kMaxBwdNv * kMaxRowThreads) return p;
   p.nv = kMaxBwdNv;
@@ -1207,8 +1211,8 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
     // Where the accumulators in shared memory leave the SM one block anyway,
-    // registers hold them: LayerNorm 4096x8192 bf16 88 -> 78 us on an H200
-    // (benchmarks/NOTES.md, v21). Only plain launches (neither the fused add's
+    // registers hold them: LayerNorm bf16 4096x8192 88 -> 78 us, 8192x12288
+    // 208 -> 181 on an H200 (benchmarks/NOTES.md, v21). Only plain launches (neither the fused add's
     // nor a zero-centered scale's), which spares the build four kernels a type.
     l.acc_in_regs = may_hold_acc_in_regs<X, G, VEC>() && plain &&
                     plan.threads() <= kAccRegsThreads &&
