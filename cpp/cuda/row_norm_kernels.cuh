@@ -17,9 +17,9 @@
 //
 // Backward: a persistent grid. Each thread owns the same columns for every row
 // it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
-// of shared memory or in registers (no atomics), and loads its scale once. Each block then
-// writes one partial row, and a second kernel sums the partials in a fixed
-// order: gradients are bitwise reproducible. A grid of one block writes the
+// of shared memory or in registers (no atomics), and loads its scale once.
+// Each block then writes one partial row, and a second kernel sums the
+// partials in a fixed order: gradients are bitwise reproducible. A grid of one block writes the
 // gradients itself.
 #pragma once
 
@@ -35,7 +35,8 @@ constexpr int kMaxBwdNv = 4;         // (the backward holds x and dy)
 constexpr size_t kTwoBlocksSmem = 110 * 1024;  // two blocks per SM still fit
 // Blocks of the backward that hold dscale/dbias in registers (bwd_regs) have
 // at most this many threads (12288 bf16 a row), so that ptxas may give them
-// 168 registers; a cluster's slices, at most kMaxSliceThreads (up to 255).
+// 168 registers; a cluster's slices have at most kMaxSliceThreads, which
+// allows 255.
 constexpr int kAccRegsThreads = 384;
 constexpr int kMaxSliceThreads = 256;  // the backward's cluster split
 // Scale and bias are staged in shared memory up to this size.
@@ -697,10 +698,10 @@ constexpr bool bwd_scale_in_regs() {
 // so that the other launches keep their registers.
 // kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
 // LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's 8K slices of
-// them), where the two shared accumulators left the SM one block (plan_bwd). At least one block an SM: the
-// bound lets ptxas take up to 128 registers (more with kAccInRegs), where by
-// itself it gave some instantiations 64 and spilled (float32 with a cluster a
-// row: 16 bytes).
+// them), where the two shared accumulators left the SM one block (plan_bwd).
+// At least one block an SM: the bound lets ptxas take up to 128 registers
+// (more with kAccInRegs), where by itself it gave some instantiations 64 and
+// spilled (float32 with a cluster a row: 16 bytes).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
           bool kAccInRegs>
 __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
@@ -1106,7 +1107,6 @@ struct BwdLaunch {
   int grid = 0;
   int regions = 0;
   bool stage_scale = false;
-  bool acc_in_regs = false;
 
   // Partial rows: one a block (a cluster with plan.parts > 1).
   int64_t partial_rows() const { return grid / plan.parts; }
@@ -1137,8 +1137,8 @@ size_t bwd_smem_bytes(const RowPlan& plan, int64_t hidden, bool has_scale, int r
 // block. Measured, and compiled, for 16-bit x only.
 template <typename X, typename G, int VEC>
 constexpr bool may_hold_acc_in_regs() {
-  return VEC > 1 && sizeof(X) == 2 && BwdSmem<acc_t<X>, VEC, kMaxBwdNv, (sizeof(G) > sizeof(X))>::scale(
-                        kAccRegsThreads, 2) > kTwoBlocksSmem;
+  using M = BwdSmem<acc_t<X>, VEC, kMaxBwdNv, (sizeof(G) > sizeof(X))>;
+  return VEC > 1 && sizeof(X) == 2 && M::scale(kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
 // The register path's kernel: kPlain, kSplit and kAccInRegs as the launch needs.
@@ -1212,19 +1212,20 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   } else {
     // Where the accumulators in shared memory leave the SM one block anyway,
     // registers hold them: LayerNorm bf16 4096x8192 88 -> 78 us, 8192x12288
-    // 208 -> 181 on an H200 (benchmarks/NOTES.md, v21). Only plain launches (neither the fused add's
-    // nor a zero-centered scale's), which spares the build four kernels a type.
-    l.acc_in_regs = may_hold_acc_in_regs<X, G, VEC>() && plain &&
-                    plan.threads() <= kAccRegsThreads &&
-                    bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
-    l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, l.acc_in_regs);
+    // 208 -> 181 on an H200 (benchmarks/NOTES.md, v21). Only plain launches
+    // (neither the fused add's nor a zero-centered scale's), which spares the
+    // build two kernels a type.
+    const bool acc_in_regs =
+        may_hold_acc_in_regs<X, G, VEC>() && plain && plan.threads() <= kAccRegsThreads &&
+        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
+    l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs);
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
     // at the cost of a second block on the SM (v14).
     const size_t staged =
-        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions, l.acc_in_regs);
+        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, has_scale, regions, acc_in_regs);
     const size_t unstaged =
-        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions, l.acc_in_regs);
+        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions, acc_in_regs);
     l.stage_scale = plan.parts == 1 && staged > unstaged && staged <= dev.max_dynamic_smem &&
                     (staged <= kTwoBlocksSmem || unstaged > kTwoBlocksSmem);
     l.smem = l.stage_scale ? staged : unstaged;
