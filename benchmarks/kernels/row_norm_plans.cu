@@ -6,7 +6,8 @@
 // before storing them (the forward's pattern without the arithmetic).
 // The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
 // limits the run to those shapes; PROBE=1 launches each plan three times
-// instead of timing it (for Nsight Compute).
+// instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
+// backward.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -281,6 +282,7 @@ int main(int argc, char** argv) {
     }
     // Times a backward launch, checks its output and prints a row.
     auto time_bwd = [&](const char* name, int tpr, int rpb, int grid, size_t smem, auto launch) {
+      if (std::getenv("FWD_ONLY")) return;
       const float us = time_us(s, launch);
       const double bytes = 3.0 * n * 2;
       double err = -1;
@@ -381,6 +383,40 @@ int main(int argc, char** argv) {
         std::snprintf(name, sizeof name, "c%d", parts);
         time_bwd(name, q.tpr, 1, l.grid, l.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+      }
+    }
+    // The handler's one-block-a-row forward as planned (h: with y; +r: the
+    // residual add; stats +r: statistics and h only, as under jax.grad),
+    // where it holds 4 or more vectors a thread.
+    for (int mode = 0; mode < 3; ++mode) {
+      const bool write_y = mode < 2, residual = mode > 0;
+      if (residual && c.centered) continue;
+      const int nv = block_fwd_nv(c.rows, nvec, write_y, residual, sms);
+      if (nv <= kFewNv) continue;
+      FwdArgs a = fa;
+      a.write_y = write_y;
+      if (residual) a.residual = res, a.new_residual = h;
+      const float us =
+          time_us(s, [&] { CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, a)); });
+      const double bytes = (write_y ? 2.0 : 1.0) * n * 2 + (residual ? 2.0 * n * 2 : 0);
+      char name[16];
+      std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
+      std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                  write_y ? "fwd" : "stats", shape, name, threads_per_row(nvec, nv), 1,
+                  long(c.rows), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      if (nv == kHalfNv && mode == 0) {  // the row in registers alone (16r)
+        const int threads = threads_per_row(nvec, nv);
+        with_centered(c.centered, [&](auto centered) {
+          constexpr bool kC = decltype(centered)::value;
+          auto kernel = fwd_block<bf16, bf16, bf16, VEC, kHalfNv, kC, true, false>;
+          const size_t smem = FwdLateLoads<bf16, VEC, kC, true>::bytes(threads);
+          CHECK(allow_dynamic_smem_once(kernel, smem, info));
+          const float us_r = time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); });
+          std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op, "fwd",
+                      shape, "16r", threads, 1, long(c.rows), "-", us_r, bytes / us_r / 1e3,
+                      100 * bytes / us_r / 1e3 / copy);
+          return 0;
+        });
       }
     }
     // The one-block-a-row forward (row_norm_block.cuh, marked f) wherever a

@@ -162,18 +162,20 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
 // So each thread copies its own vectors of them into shared memory (cp.async)
 // kSlots - 1 vectors ahead of their use: no registers, no barrier (no thread
 // reads another's cells). kTensors: 2 for scale and bias, else 1 (the scale,
-// or the residual alone).
-template <typename W, int VEC, int kTensors>
+// or the residual alone). kBudget: bytes a thread, for up to 8 slots, at least
+// 2.
+template <typename W, int VEC, int kTensors, int kBudget = 128>
 struct LateLoads {
   static constexpr int kCell = int(sizeof(W)) * VEC;  // bytes of one vector
   static constexpr int kCellPad = kCell < 16 ? 16 : kCell;
-  // 128 bytes a thread: 64 KB for 512 threads, two blocks an SM
-  static constexpr int kSlots = 128 / (kCellPad * kTensors) < 8 ? 128 / (kCellPad * kTensors) : 8;
-  static_assert(kSlots >= 2);
+  static constexpr int kFit = kBudget / (kCellPad * kTensors);
+  static constexpr int kSlots = kFit < 2 ? 2 : kFit > 8 ? 8 : kFit;
   using Stages = CpAsyncStages<kSlots>;
   unsigned char* base;
 
-  static size_t bytes(int threads) { return size_t(kSlots) * kTensors * kCellPad * threads; }
+  static constexpr __host__ __device__ size_t bytes(int threads) {
+    return size_t(kSlots) * kTensors * kCellPad * threads;
+  }
   __device__ __forceinline__ unsigned char* at(int slot, int k) const {
     return base + ((slot * kTensors + k) * int(blockDim.x) + int(threadIdx.x)) * kCellPad;
   }
@@ -218,8 +220,10 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
 }
 
 // fwd_block's LateLoads: scale and bias (LayerNorm with y), else one tensor.
-template <typename W, int VEC, bool kCentered, bool kWriteY>
-using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1>;
+// 128 bytes a thread: 64 KB for 512 threads, two blocks an SM; 64 with half
+// the row in shared memory (fwd_block_half).
+template <typename W, int VEC, bool kCentered, bool kWriteY, int kShared = 0>
+using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1, kShared ? 64 : 128>;
 
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
 // and bias need more than the 64 registers a 1024-thread block leaves.
@@ -237,13 +241,18 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // block_row_stats) and normalizes and writes NV / kSplit of its vectors, the
 // registers its flip brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
 // kRowVecs / NV threads a block (RowSpan).
+// kShared > 0 (fwd_block_half): the thread's last kShared vectors are held in
+// shared memory, after the LateLoads, not in registers: copied there with
+// cp.async, no residual.
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
-          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0>
-__global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
+          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0, int kShared = 0>
+__device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   using A = acc_t<X>;
   static_assert(kSplit == 1 || (NV == kFewNv && NV % kSplit == 0 && kWriteY));
   static_assert(kRowVecs == 0 || NV == kFewNv);
+  static_assert(kShared == 0 || (kShared < NV && kSplit == 1 && kWriteY && !kEarlyParams));
   constexpr int kOwn = NV / kSplit;  // vectors this block writes
+  constexpr int kRegs = NV - kShared;  // vectors held in registers
   constexpr bool kHold = kWriteY && kEarlyParams;
   constexpr int kHeld = kHold ? kOwn : 1;  // parameter vectors held
   __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
@@ -254,15 +263,33 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && kCentered && a.has_bias;
   const W* scale = static_cast<const W*>(a.scale);
   const W* bias = static_cast<const W*>(a.bias);
-  RegVec<X, VEC> xv[NV];
+  const X* xr = static_cast<const X*>(a.x) + row * hidden;
+  RegVec<X, VEC> xv[kRegs];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
-  load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
+  load_row(xv, xr, span);
   // LateLoads: the residual, and with y, scale and bias
   constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
   constexpr bool kLate = kWriteY && kLateResidual;
-  using Late = FwdLateLoads<W, VEC, kCentered, kWriteY>;
+  using Late = FwdLateLoads<W, VEC, kCentered, kWriteY, kShared>;
   extern __shared__ __align__(16) unsigned char dyn[];
   const Late late{dyn};
+  // Vector i of the thread's NV, from registers or shared memory.
+  uint4* held = reinterpret_cast<uint4*>(dyn + Late::bytes(blockDim.x)) + threadIdx.x;
+  auto vec = [&](int i) {
+    RegVec<X, VEC> v = xv[i < kRegs ? i : 0];
+    if (i >= kRegs) {
+      v.zero();
+      if (span.in(i)) v.load_shared(held + (i - kRegs) * blockDim.x);
+    }
+    return v;
+  };
+  if constexpr (kShared > 0) {
+#pragma unroll
+    for (int i = kRegs; i < NV; ++i) {
+      if (span.in(i)) cp_async16(held + (i - kRegs) * blockDim.x, xr + span.at(i) * VEC);
+    }
+    cp_async_commit();
+  }
   auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
     if (i >= kOwn || !span.in(int(i))) return;
     if (use_w) late.issue(slot, 0, scale + span.at(int(i)) * VEC);
@@ -276,13 +303,14 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
       Late::Stages::prime(issue_params, 0, 1);  // in flight through the reduction
     }
   };
-  const bool residual = kSplit == 1 && a.residual;  // never split (launch_fwd_block)
+  // never split, never with kShared (launch_fwd_block)
+  const bool residual = kSplit == 1 && kShared == 0 && a.residual;
   if (residual && !kLateResidual) {
     load_params();  // before the residual add's stores, which no load passes
     add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden, [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
-    if constexpr (kLateResidual) {
+    if constexpr (kLateResidual && kShared == 0) {
       if (residual) add_residual_late(xv, a, row * hidden, span, late);
     }
     load_params();  // where ptxas places it: after the first sum (v9)
@@ -296,8 +324,10 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
     // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
     // 64-83 registers instead of 52-64, which cost the SM a block and up to
     // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
-    row_stats(xv, span.lane, span.step, span.nvec, a.centered, A(a.epsilon), inv_n, mean, rstd,
-              [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
+    if constexpr (kShared > 0) cp_async_wait<Late::kSlots - 1>();  // the row, not the params
+    row_stats_of<A, VEC, NV>(vec, span.lane, span.step, span.nvec, a.centered, A(a.epsilon),
+                             inv_n, mean, rstd,
+                             [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
   }
   if (span.lane == 0 && part == 0) {
     if (kCentered) static_cast<A*>(a.mean)[row] = mean;
@@ -330,9 +360,33 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
         if (use_w) load_scale(w, scale + c * VEC, a.scale_offset);
         if (use_b) load_vec(b, bias + c * VEC);
       }
-      normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
+      normalize_store(yr + c * VEC, vec(i), mean, rstd, w, use_w, b, use_b);
     }
   }
+}
+
+template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
+          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0>
+__global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdArgs a) {
+  fwd_block_row<X, Y, W, VEC, NV, kCentered, kWriteY, kEarlyParams, kSplit, kRowVecs>(a);
+}
+
+// RMSNorm's rows of 4097-8192 vectors (up to 65536 16-bit elements) with y:
+// 16 vectors a thread, 8 of them in shared memory, so that two 512-thread
+// blocks share an SM and one loads while the other reduces or stores; with
+// all 16 in registers the SM holds one and does each in turn. On an H200
+// (bf16, benchmarks/NOTES.md, v22) 512x65536 took 39.4 µs instead of 44.5.
+// Only where the 64 registers the bound leaves do not spill (16-bit x, y and
+// scale, ptxas); LayerNorm's kernel spilled 28 bytes and ran no faster.
+constexpr int kHalfNv = 16;
+template <typename X, typename Y, typename W, int VEC>
+__global__ void __launch_bounds__(512, 2) fwd_block_half(FwdArgs a) {
+  fwd_block_row<X, Y, W, VEC, kHalfNv, false, true, false, 1, 0, kHalfNv / 2>(a);
+}
+template <typename W, int VEC>
+constexpr size_t fwd_block_half_smem(int threads) {
+  return FwdLateLoads<W, VEC, false, true, kHalfNv / 2>::bytes(threads) +
+         size_t(kHalfNv / 2) * sizeof(uint4) * threads;
 }
 
 // Vectors a thread with which fwd_block serves a launch, or 0 where it does
@@ -401,6 +455,8 @@ cudaError_t with_row_vecs(int64_t nvec, F&& f) {
 // faster at every bf16 shape measured (1.0-3.5%, costing up to 2 blocks of
 // 12) except LayerNorm at 384 threads a block, where 64 registers instead of
 // 52 leave 2 blocks of 3 and took 9% longer (benchmarks/NOTES.md, v6 and v7).
+// RMSNorm at 16 vectors a thread holds half the row in shared memory where
+// that fits two blocks an SM (fwd_block_half).
 template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
@@ -437,6 +493,13 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         }
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
       });
+    }
+    if constexpr (!kC && sizeof(X) == 2 && sizeof(Y) == 2 && sizeof(W) == 2) {
+      if (nv == kHalfNv && !a.residual) {
+        auto half = fwd_block_half<X, Y, W, VEC>;
+        const size_t smem = fwd_block_half_smem<W, VEC>(threads);
+        if (blocks_per_sm(half, threads, smem, dev) >= 2) return launch(half, 1, smem);
+      }
     }
     if (nv == 8 || nv == 16) {
       auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
