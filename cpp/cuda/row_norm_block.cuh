@@ -239,8 +239,8 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // come through shared memory (LateLoads). kSplit > 1 (decode only): kSplit
 // blocks share a row; each reduces all of it (with the same bits:
 // block_row_stats) and normalizes and writes NV / kSplit of its vectors, the
-// registers its flip brings first. kRowVecs > 0 (decode only): rows of exactly that many vectors,
-// kRowVecs / NV threads a block (RowSpan).
+// registers its flip brings first. kRowVecs > 0 (decode only): rows of
+// exactly that many vectors, kRowVecs / NV threads a block (RowSpan).
 // kShared > 0 (fwd_block_half): the thread's last kShared vectors are held in
 // shared memory, after the LateLoads, not in registers: copied there with
 // cp.async, no residual.

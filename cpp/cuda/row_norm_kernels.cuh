@@ -19,8 +19,8 @@
 // it visits, so it accumulates dscale/dbias for them in fp32 in its own slice
 // of shared memory or in registers (no atomics), and loads its scale once.
 // Each block then writes one partial row, and a second kernel sums the
-// partials in a fixed order: gradients are bitwise reproducible. A grid of one block writes the
-// gradients itself.
+// partials in a fixed order: gradients are bitwise reproducible. A grid of
+// one block writes the gradients itself.
 #pragma once
 
 #include "cuda/common.cuh"
