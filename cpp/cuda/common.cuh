@@ -422,52 +422,115 @@ cudaError_t launch_clusters(void (*kernel)(Args...), unsigned grid, int threads,
   return err;
 }
 
-// Up to kMaxK per-block totals summed over the blocks of a thread-block
-// cluster (sm_90), in the order of their ranks in every block, so that each
-// block gets the same bits. Each call publishes the block's totals in the
-// other of two slots than the call before: a block writes a slot again only
-// after the next call's barrier, which every block reaches only after its
-// reads of it. finish() keeps the block's shared memory until no block reads
-// it any more.
+constexpr int kMaxClusterParts = 8;  // blocks in a cluster (the portable limit)
+
+// Up to kMaxK per-block totals summed over the `parts` blocks of a
+// thread-block cluster (sm_90), in the order of their ranks in every block, so
+// that each block gets the same bits. Each block pushes its totals into every
+// block's shared memory with st.async, which signals the receiver's mbarrier
+// as the bytes land; a block waits on its own mbarrier alone. A cluster
+// barrier instead (v14-v22) fenced every thread's earlier stores at GPU scope
+// first (MEMBAR.ALL.GPU): each row waited for the previous row's dx to drain.
+// Two sets of slots, taken by turns: a block writes a peer's set again two
+// calls later, past its wait for the peer's totals of the call between, which
+// the peer sends only after a block barrier (row_sum's, tpr > 32 here) that
+// follows its reads of the set. Every block receives as many totals as it
+// waits for, so none is in flight to a block that has exited.
 template <typename A, int kMaxK>
 class ClusterSum {
+  using P = Packed<A, kMaxK>;
+  static_assert(sizeof(P) % 16 == 0);
+
  public:
-  __device__ explicit ClusterSum(Packed<A, kMaxK>* slots) : slots_(slots) {}
+  struct Shared {
+    P slots[2][kMaxClusterParts];
+    uint64_t bars[2];
+  };
+
+  __device__ explicit ClusterSum(Shared& sh) : sh_(sh) {}
+
+  // Every thread of every block calls it before the first sum.
+  __device__ void init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x < 2) {
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sh_.bars[threadIdx.x]))
+                   : "memory");
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __cluster_barrier_arrive();  // release: the initialized mbarriers
+    __cluster_barrier_wait();
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank_));
+#endif
+  }
 
   // Every thread of every block calls it, v holding the block's totals.
   template <int K>
   __device__ void operator()(A (&v)[K], int parts) {
     static_assert(K <= kMaxK);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    Packed<A, kMaxK>* mine = slots_ + parity_;
+    const uint32_t bar = smem_addr(&sh_.bars[turn_]);
     if (threadIdx.x == 0) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) mine->v[k] = v[k];
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                   "r"(uint32_t(parts * sizeof(P)))
+                   : "memory");
     }
-    __cluster_barrier_arrive();  // release: this block's totals
-    __cluster_barrier_wait();    // acquire: every block's
+    if (int(threadIdx.x) < parts) {  // thread r sends to the block of rank r
+      P mine{};
+#pragma unroll
+      for (int k = 0; k < K; ++k) mine.v[k] = v[k];
+      const uint32_t peer = threadIdx.x;
+      const uint32_t slot = remote_addr(smem_addr(&sh_.slots[turn_][rank_]), peer);
+      const uint32_t peer_bar = remote_addr(bar, peer);
+      const auto* w = reinterpret_cast<const uint32_t*>(&mine);
+#pragma unroll
+      for (int c = 0; c < int(sizeof(P) / 16); ++c) {
+        asm volatile(
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+            "[%5];" ::"r"(slot + 16 * c),
+            "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3]), "r"(peer_bar)
+            : "memory");
+      }
+    }
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}" ::"r"(bar),
+        "r"((phases_ >> turn_) & 1)
+        : "memory");
+    phases_ ^= 1u << turn_;
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = 0;
     for (int r = 0; r < parts; ++r) {
-      const auto* p = static_cast<const Packed<A, kMaxK>*>(__cluster_map_shared_rank(mine, r));
+      const P p = sh_.slots[turn_][r];
 #pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += p->v[k];
+      for (int k = 0; k < K; ++k) v[k] += p.v[k];
     }
-    parity_ ^= 1;
+    turn_ ^= 1;
 #else
     __trap();  // never launched in clusters before sm_90
 #endif
   }
-  __device__ void finish() const {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    __cluster_barrier_arrive();
-    __cluster_barrier_wait();
-#endif
-  }
 
  private:
-  Packed<A, kMaxK>* slots_;
-  int parity_ = 0;
+  static __device__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  }
+  // The address of the same shared-memory location in the block of rank r.
+  static __device__ uint32_t remote_addr(uint32_t local, uint32_t r) {
+    uint32_t out = local;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(r));
+#endif
+    return out;
+  }
+
+  Shared& sh_;
+  uint32_t rank_ = 0;
+  int turn_ = 0;
+  uint32_t phases_ = 0;  // bit t: the parity of the phase set t waits for
 };
 
 inline ffi::Error last_launch_error(const char* what) {

@@ -312,14 +312,13 @@ size_t staged_param_bytes(int64_t hidden, int params) {
 // bytes), so a stage needs no barrier. The element-wise path (VEC = 1) loads
 // straight into registers, as does kUnstaged (a tensor wider than x, whose VEC
 // elements exceed a slot's 16 bytes: a float32 dy with bfloat16 x).
-template <int VEC, int NV, int kTensors, bool kUnstaged = false>
+template <int VEC, int NV, int kTensors, bool kUnstaged = false, int kDepth = 2>
 struct Ring {
   // Long rows (8+ vectors a thread) have enough bytes in flight per thread
   // without staging; their stages would not fit in shared memory either.
   static constexpr bool kStaged = VEC > 1 && NV <= 4 && !kUnstaged;
-  // Two stages: one row in flight while the thread works on another (three
-  // measured no faster).
-  static constexpr int kStages = kStaged ? 2 : 1;
+  // kDepth - 1 rows in flight while the thread works on another.
+  static constexpr int kStages = kStaged ? kDepth : 1;
   using Stages = CpAsyncStages<kStages>;
   uint4* base;
 
@@ -675,7 +674,12 @@ __device__ void write_block_sums(const typename AccLayout<A, VEC>::Chunk* acc,
 // rows are done, over the ring.
 template <typename A, int VEC, int NV, bool kWideDy, bool kAccInRegs = false>
 struct BwdSmem {
-  using R = Ring<VEC, NV, 2, kWideDy>;
+  // Two stages, one row in flight, where several blocks share an SM (three
+  // took them a block, v20). Kernels with their accumulators in registers run
+  // one block an SM whatever their stages: a third, two rows in flight, makes
+  // up for the warps they lack (LayerNorm 4096x8192 78 -> 71 us; four no
+  // faster, v23).
+  using R = Ring<VEC, NV, 2, kWideDy, kAccInRegs ? 3 : 2>;
   static constexpr __host__ __device__ size_t stats(int threads) {
     return R::bytes(threads);
   }
@@ -723,17 +727,18 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
-  using R = Ring<VEC, NV, 2, kWideDy>;
   using M = BwdSmem<A, VEC, NV, kWideDy, kAccInRegs>;
+  using R = typename M::R;
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
-  __shared__ Packed<A, 4> cluster_slots[2];
+  __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
   extern __shared__ __align__(16) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
-  ClusterSum<A, 4> cluster_sum(cluster_slots);
+  ClusterSum<A, 4> cluster_sum(cluster_shared);
+  if constexpr (kSplit) cluster_sum.init();
   const bool has_stats = a.rstd != nullptr;
   const int regions = int(a.has_scale) + int(a.has_bias);
   const int per_slot = NV * L::kChunks * a.tpr;
@@ -936,7 +941,6 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
     }
   }
   cp_async_wait<0>();
-  if constexpr (kSplit) cluster_sum.finish();
   if constexpr (kAccInRegs) {
     __syncthreads();  // every thread is done with the ring the sums now take
 #pragma unroll
@@ -1179,7 +1183,10 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   RowPlan p = plan_with_nv(rows, nvec, 0, dev.sms);
   if (!dev.clusters) return p;
   int parts = 2;
-  while (parts < 8 && (nvec + parts - 1) / parts > kMaxSliceThreads * kMaxBwdNv) parts *= 2;
+  while (parts < kMaxClusterParts &&
+         (nvec + parts - 1) / parts > kMaxSliceThreads * kMaxBwdNv) {
+    parts *= 2;
+  }
   const int64_t span = (nvec + parts - 1) / parts;
   if (span > kMaxBwdNv * kMaxRowThreads) return p;
   p.nv = kMaxBwdNv;
