@@ -38,19 +38,22 @@ int main() {
     const int rows = 200, threads = 128, grid = 8 * parts;
     float* out;
     cudaMalloc(&out, sizeof(float) * rows * parts * 4);
-    cudaError_t e = launch_clusters(sum_rows_over_clusters, grid, threads, 0, parts, nullptr, out, rows, parts);
-    cudaError_t s = cudaDeviceSynchronize();
+    const cudaError_t e = launch_clusters(sum_rows_over_clusters, grid, threads, 0, parts,
+                                          nullptr, out, rows, parts);
+    const cudaError_t s = cudaDeviceSynchronize();
     std::vector<float> h(rows * parts * 4);
     cudaMemcpy(h.data(), out, h.size() * 4, cudaMemcpyDeviceToHost);
-    for (int r = 0; r < rows; ++r)
+    for (int r = 0; r < rows; ++r) {
       for (int k = 0; k < 4; ++k) {
         double want = 0;
-        for (int q = 0; q < parts; ++q)
+        for (int q = 0; q < parts; ++q) {
           for (int t = 0; t < threads; ++t) want += (r * 7 + q * 3 + k + t) % 5;
-        for (int q = 0; q < parts; ++q)
-          if (h[(r * parts + q) * 4 + k] != float(want)) ++bad;
+        }
+        for (int q = 0; q < parts; ++q) bad += h[(r * parts + q) * 4 + k] != float(want);
       }
-    std::printf("parts %d: launch %s, sync %s\n", parts, cudaGetErrorString(e), cudaGetErrorString(s));
+    }
+    std::printf("parts %d: launch %s, sync %s\n", parts, cudaGetErrorString(e),
+                cudaGetErrorString(s));
     cudaFree(out);
   }
   std::printf("%d mismatches\n", bad);

@@ -399,22 +399,22 @@ int main(int argc, char** argv) {
       const float us =
           time_us(s, [&] { CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, a)); });
       const double bytes = (write_y ? 2.0 : 1.0) * n * 2 + (residual ? 2.0 * n * 2 : 0);
+      const int threads = threads_per_row(nvec, nv);
+      auto print_row = [&](const char* name, float t) {
+        std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
+                    write_y ? "fwd" : "stats", shape, name, threads, 1, long(c.rows), "-", t,
+                    bytes / t / 1e3, 100 * bytes / t / 1e3 / copy);
+      };
       char name[16];
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
-      std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                  write_y ? "fwd" : "stats", shape, name, threads_per_row(nvec, nv), 1,
-                  long(c.rows), "-", us, bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
+      print_row(name, us);
       if (nv == kHalfNv && mode == 0) {  // the row in registers alone (16r)
-        const int threads = threads_per_row(nvec, nv);
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, kHalfNv, kC, true, false>;
           const size_t smem = FwdLateLoads<bf16, VEC, kC, true>::bytes(threads);
           CHECK(allow_dynamic_smem_once(kernel, smem, info));
-          const float us_r = time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); });
-          std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op, "fwd",
-                      shape, "16r", threads, 1, long(c.rows), "-", us_r, bytes / us_r / 1e3,
-                      100 * bytes / us_r / 1e3 / copy);
+          print_row("16r", time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); }));
           return 0;
         });
       }

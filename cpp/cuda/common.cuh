@@ -172,9 +172,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 // cp_async_commit(), and cp_async_wait<N>() waits until at most N of its groups
 // are still in flight. A copy is visible to the thread that issued it after the
 // wait, and to other threads after a barrier that follows it.
+// The 32-bit shared-memory address of p (a generic pointer into it), as PTX's
+// shared-memory instructions take it.
+__device__ __forceinline__ uint32_t shared_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #if __CUDA_ARCH__ >= 800
-  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t s = shared_addr(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem)
                : "memory");
 #else
@@ -187,7 +193,7 @@ template <typename T>
 __device__ __forceinline__ void cp_async_scalar(T* smem, const T* gmem) {
   static_assert(sizeof(T) == 4 || sizeof(T) == 8);
 #if __CUDA_ARCH__ >= 800
-  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t s = shared_addr(smem);
   asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem),
                "n"(int(sizeof(T)))
                : "memory");
@@ -453,8 +459,8 @@ class ClusterSum {
   __device__ void init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x < 2) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&sh_.bars[threadIdx.x]))
-                   : "memory");
+      const uint32_t bar = shared_addr(&sh_.bars[threadIdx.x]);
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __cluster_barrier_arrive();  // release: the initialized mbarriers
@@ -468,7 +474,7 @@ class ClusterSum {
   __device__ void operator()(A (&v)[K], int parts) {
     static_assert(K <= kMaxK);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const uint32_t bar = smem_addr(&sh_.bars[turn_]);
+    const uint32_t bar = shared_addr(&sh_.bars[turn_]);
     if (threadIdx.x == 0) {
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
                    "r"(uint32_t(parts * sizeof(P)))
@@ -479,7 +485,7 @@ class ClusterSum {
 #pragma unroll
       for (int k = 0; k < K; ++k) mine.v[k] = v[k];
       const uint32_t peer = threadIdx.x;
-      const uint32_t slot = remote_addr(smem_addr(&sh_.slots[turn_][rank_]), peer);
+      const uint32_t slot = remote_addr(shared_addr(&sh_.slots[turn_][rank_]), peer);
       const uint32_t peer_bar = remote_addr(bar, peer);
       const auto* w = reinterpret_cast<const uint32_t*>(&mine);
 #pragma unroll
@@ -515,9 +521,6 @@ class ClusterSum {
   }
 
  private:
-  static __device__ uint32_t smem_addr(const void* p) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-  }
   // The address of the same shared-memory location in the block of rank r.
   static __device__ uint32_t remote_addr(uint32_t local, uint32_t r) {
     uint32_t out = local;
