@@ -77,9 +77,11 @@ def test_large_mean_is_stable(op):
 
 
 # On a GPU: staged rows, rows not a whole number of 16-byte vectors (the
-# element-wise path), rows split over a cluster, few rows.
-@pytest.mark.parametrize("shape", [(600, 1024), (600, 1023), (540, 8196), (40, 2052), (3, 96)],
-                         ids=str)
+# element-wise path), rows split over a cluster, few rows (the column plan;
+# one row, a block compiled for its length).
+@pytest.mark.parametrize(
+    "shape", [(600, 1024), (600, 1023), (540, 8196), (40, 2052), (1, 4096), (3, 96)], ids=str
+)
 def test_layer_norm_gradients_of_a_large_mean(shape):
     """The backward that computes LayerNorm's statistics sums x about a shift,
     the row's first element: rows with |mean| >> std, and rows whose first

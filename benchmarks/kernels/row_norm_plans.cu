@@ -524,11 +524,42 @@ int main(int argc, char** argv) {
       }
     }
     // The few-rows backward as planned (f*: one block for one row, fk* the
-    // column plan), and the column plan's two launches alone (fk-dots,
+    // column plan); computing the statistics (fo*, fko*: as under jax.grad,
+    // the forward's output dead), for one row also at a row length known at
+    // run time only (f0o); the statistics-only forward, then the backward
+    // given them (sf+f); and the column plan's two launches alone (fk-dots,
     // fk-cols: timed, not checked).
     if (few.blocks > 0) {
-      time_bwd(few.columns ? "2fk*" : " 2f*", few.threads, 1, few.blocks, 0,
-               [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, few, ba)); });
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y, for the check
+      auto few_bwd = [&](const char* name, auto launch) {
+        time_bwd(name, few.threads, 1, few.blocks, 0, launch);
+      };
+      few_bwd(few.columns ? "2fk*" : " 2f*",
+              [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, few, ba)); });
+      BwdArgs own = ba;
+      own.mean = own.rstd = nullptr;
+      own.epsilon = 1e-5;
+      few_bwd(few.columns ? "fko*" : " fo*",
+              [&] { CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, few, own)); });
+      if (!few.columns) {
+        with_centered(c.centered, [&](auto centered) {
+          auto kernel = bwd_few<bf16, bf16, bf16, VEC, decltype(centered)::value, false, true>;
+          few_bwd(" f0o", [&] { kernel<<<1, few.threads, 0, s>>>(own); });
+          return 0;
+        });
+      }
+      FwdArgs stats = fa;
+      stats.write_y = false;
+      stats.has_scale = stats.has_bias = false;
+      few_bwd("sf+f", [&] {
+        if (const int nv = block_fwd_nv(c.rows, nvec, false, false, sms)) {
+          CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, stats));
+        } else {
+          CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, plan_fwd(c.rows, nvec, VEC, sms),
+                                                  stats));
+        }
+        CHECK(launch_bwd_few<bf16, bf16, bf16, VEC>(s, few, ba));
+      });
     }
     if (few.columns) {
       with_centered(c.centered, [&](auto centered) {
@@ -536,7 +567,7 @@ int main(int argc, char** argv) {
         const unsigned col_grid = unsigned((nvec + kColVecs - 1) / kColVecs);
         const float us_dots = time_us(s, [&] {  // as planned: the row length fixed if it can be
           CHECK(with_row_vecs(nvec, [&](auto vecs) {
-            auto dots = bwd_few<bf16, bf16, bf16, VEC, kC, true, decltype(vecs)::value>;
+            auto dots = bwd_few<bf16, bf16, bf16, VEC, kC, true, false, decltype(vecs)::value>;
             dots<<<few.blocks, few.threads, 0, s>>>(ba);
             return cudaGetLastError();
           }));

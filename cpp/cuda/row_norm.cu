@@ -21,7 +21,7 @@ ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdA
 }
 
 // Points a.partial at `bytes` of scratch (none when 0): partial rows of
-// dscale/dbias, or the row dots of the few-rows column plan.
+// dscale/dbias, or the RowTerms of the few-rows column plan.
 inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t bytes,
                                        BwdArgs& a) {
   if (bytes == 0) return ffi::Error::Success();
@@ -35,9 +35,9 @@ inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t by
   return ffi::Error::Success();
 }
 
-// For a backward given no statistics whose kernel reads them (few rows, the
-// long path): the statistics-only forward into scratch, then a.mean, a.rstd
-// point there.
+// For a backward given no statistics whose kernel reads them (the long
+// path): the statistics-only forward into scratch, then a.mean, a.rstd point
+// there.
 template <typename X, typename W, int VEC>
 ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
                               ffi::ScratchAllocator& scratch, BwdArgs& a) {
@@ -63,8 +63,7 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
                           ffi::ScratchAllocator& scratch, BwdArgs a) {
   if constexpr (VEC > 1) {
     const FewBwdPlan few = plan_bwd_few<X, VEC>(a.rows, a.hidden, dev);
-    if (few.blocks > 0) {
-      JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
+    if (few.blocks > 0) {  // computes missing statistics itself
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
       return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
     }

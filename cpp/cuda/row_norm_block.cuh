@@ -14,7 +14,8 @@
 //
 // The backward takes them for few rows only. One row: one block writes dx,
 // dscale and dbias. More rows: the column plan, two launches. The first, one
-// block a row, writes each row's two dot products; the second gives each
+// block a row, writes each row's two dot products and statistics (computed
+// there where none are given); the second gives each
 // block a slice of the columns of every row, so that it writes dx there and
 // sums dscale/dbias of its columns itself. No atomics and no partial rows:
 // the same bits on every run.
@@ -516,16 +517,26 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
 
 // ---------------------------------------------------------------- backward
 
+// What the column plan's first launch leaves for its second, a row's:
+// mean(g * xhat), mean(g) (LayerNorm), mean and rstd.
+template <typename A>
+using RowTerms = Packed<A, 4>;
+
 // One block a row. kDots: the column plan's first launch, which writes each
-// row's mean(g * xhat) and mean(g) to a.partial ([row][2]) and nothing else.
-// Otherwise the grid is one block (one row), which writes dx, dscale and
-// dbias. kCentered: LayerNorm (else RMSNorm). kRowVecs > 0: rows of exactly
-// that many vectors (RowSpan).
-template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots,
+// row's RowTerms to a.partial and nothing else. Otherwise the grid is one
+// block (one row), which writes dx, dscale and dbias. kCentered: LayerNorm
+// (else RMSNorm). kOwn: no statistics given (a.rstd null, the forward's
+// output dead): the block computes them from the x it holds, in the same
+// reduction as the dots (RowDots), which spares the statistics-only forward
+// a launch. kRowVecs > 0: rows of exactly that many vectors (RowSpan).
+template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots, bool kOwn,
           int kRowVecs = 0>
 __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   using A = acc_t<X>;
-  constexpr int NV = kFewNv, K = kCentered ? 2 : 1;  // row sums: g * xhat (and g)
+  constexpr RowDots kMode = !kOwn ? RowDots::kSaved
+                            : kCentered ? RowDots::kOwnLn : RowDots::kOwnRms;
+  // Row sums: with saved statistics g * xhat (and g); else as kMode.
+  constexpr int NV = kFewNv, K = kOwn ? row_dot_count(kMode) : kCentered ? 2 : 1;
   __shared__ WarpSlots<K, A> slots;
   const int64_t row = blockIdx.x, hidden = kRowVecs > 0 ? kRowVecs * VEC : a.hidden;
   const RowSpan<kRowVecs, NV> span(hidden / VEC);
@@ -540,22 +551,46 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
 #pragma unroll
     for (int i = 0; i < NV; ++i) dres[i].load(a, row * hidden + span.at(i) * VEC, span.in(i));
   }
-  const A mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
-  const A rstd = static_cast<const A*>(a.rstd)[row];
+  // The saved statistics; or LayerNorm's shift (the row's first element) and
+  // rstd 1 until the sums are in.
+  A mean = 0, rstd = 1;
+  if constexpr (!kOwn) {
+    mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
+    rstd = static_cast<const A*>(a.rstd)[row];
+  } else if constexpr (kCentered) {
+    mean = to_acc(static_cast<const X*>(a.x)[row * hidden]);
+  }
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
   auto g = [&](int k) {
     const A d = element(gv, k);
     return a.has_scale ? d * (element(wv, k) + A(a.scale_offset)) : d;
   };
   auto xhat = [&](int k) { return (element(xv, k) - mean) * rstd; };
-  A s[K];  // rstd taken out of the sum: one multiply less an element
-  s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (element(xv, k) - mean); });
-  if constexpr (kCentered) s[K - 1] = tree_sum<NV * VEC>(g);
+  A s[K];
+  if constexpr (!kOwn) {  // rstd taken out of the sum: one multiply less an element
+    s[0] = rstd * tree_sum<NV * VEC>([&](int k) { return g(k) * (element(xv, k) - mean); });
+    if constexpr (kCentered) s[K - 1] = tree_sum<NV * VEC>(g);
+  } else {
+    // x - shift, 0 past the row's end (where x is 0).
+    auto xs = [&](int k) { return span.in(k / VEC) ? element(xv, k) - mean : A(0); };
+    s[0] = tree_sum<NV * VEC>([&](int k) { return g(k) * xs(k); });
+    s[1] = tree_sum<NV * VEC>([&](int k) { return xs(k) * xs(k); });
+    if constexpr (kCentered) {
+      s[2] = tree_sum<NV * VEC>(xs);
+      s[3] = tree_sum<NV * VEC>(g);
+    }
+  }
   block_sum<RowSpan<kRowVecs, NV>::kWarps>(s, slots);
   const A inv_n = A(1) / A(hidden);
-  const A c_gx = s[0] * inv_n, c_g = kCentered ? s[K - 1] * inv_n : A(0);
+  A c_gx, c_g;
+  if constexpr (kOwn) {
+    row_dx_terms<kMode>(s, kCentered, A(a.epsilon), inv_n, mean, rstd, c_gx, c_g);
+  } else {
+    c_gx = s[0] * inv_n;
+    c_g = kCentered ? s[K - 1] * inv_n : A(0);
+  }
   if constexpr (kDots) {
-    if (span.lane == 0) static_cast<Packed<A, 2>*>(a.partial)[row] = Packed<A, 2>{{c_gx, c_g}};
+    if (span.lane == 0) static_cast<RowTerms<A>*>(a.partial)[row] = {{c_gx, c_g, mean, rstd}};
     return;
   }
   X* dxr = static_cast<X*>(a.dx) + row * hidden;
@@ -623,7 +658,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
   const int j = threadIdx.x % kColVecs, slot = threadIdx.x / kColVecs;
   const int64_t c = int64_t(blockIdx.x) * kColVecs + j, nvec = a.hidden / VEC;
   const bool in = c < nvec;
-  const auto* dots = static_cast<const Packed<A, 2>*>(a.partial);
+  const auto* terms = static_cast<const RowTerms<A>*>(a.partial);
   A w[VEC], dw[VEC] = {}, db[VEC] = {};
 #pragma unroll
   for (int e = 0; e < VEC; ++e) w[e] = A(1);
@@ -635,8 +670,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
     RegVec<X, VEC> xv[kColBatch];
     RegVec<G, VEC> gv[kColBatch];
     Dres<X, VEC> dres[kColBatch];
-    A mean[kColBatch], rstd[kColBatch];
-    Packed<A, 2> dot[kColBatch];  // mean(g * xhat), mean(g)
+    RowTerms<A> terms_of[kColBatch];
 #pragma unroll
     for (int u = 0; u < kColBatch; ++u) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
@@ -644,19 +678,18 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
       xv[u].load(static_cast<const X*>(a.x) + at);
       gv[u].load(static_cast<const G*>(a.dy) + at);
       dres[u].load(a, at);
-      mean[u] = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
-      rstd[u] = static_cast<const A*>(a.rstd)[row];
-      dot[u] = dots[row];
+      terms_of[u] = terms[row];
     }
 #pragma unroll
     for (int u = 0; u < kColBatch; ++u) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
       if (row >= a.rows) continue;
+      const auto [c_gx, c_g, mean, rstd] = terms_of[u].v;
       A o[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        const A d = gv[u].get(e), xh = (xv[u].get(e) - mean[u]) * rstd[u];
-        o[e] = rstd[u] * (d * w[e] - dot[u].v[1] - xh * dot[u].v[0]);
+        const A d = gv[u].get(e), xh = (xv[u].get(e) - mean) * rstd;
+        o[e] = rstd * (d * w[e] - c_g - xh * c_gx);
         dw[e] += d * xh;
         if constexpr (kCentered) db[e] += d;
       }
@@ -695,7 +728,7 @@ struct FewBwdPlan {
   int threads = 0;           // of the one-block-a-row launch
   int blocks = 0;            // rows
   bool columns = false;      // the column plan (more than one row)
-  size_t partial_bytes = 0;  // scratch for its row dots
+  size_t partial_bytes = 0;  // scratch for its RowTerms
 };
 
 // A row must fit one block of at least a warp, and there be at most 4 rows an
@@ -712,28 +745,30 @@ FewBwdPlan plan_bwd_few(int64_t rows, int64_t hidden, const DeviceInfo& dev) {
   p.threads = tpr;
   p.blocks = int(rows);
   p.columns = rows > 1;
-  if (p.columns) p.partial_bytes = size_t(rows) * sizeof(Packed<acc_t<X>, 2>);
+  if (p.columns) p.partial_bytes = size_t(rows) * sizeof(RowTerms<acc_t<X>>);
   return p;
 }
 
-// Runs the plan, with a.partial pointing at partial_bytes of scratch.
+// Runs the plan, with a.partial pointing at partial_bytes of scratch. Without
+// statistics (a.rstd null) the first launch computes them (kOwn).
 template <typename X, typename G, typename W, int VEC>
 cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdArgs& a) {
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
-    if (!p.columns) {
-      bwd_few<X, G, W, VEC, kC, false><<<1, p.threads, 0, stream>>>(a);
-      return cudaGetLastError();
-    }
-    const cudaError_t err = with_row_vecs(a.hidden / VEC, [&](auto vecs) {
-      auto dots = bwd_few<X, G, W, VEC, kC, true, decltype(vecs)::value>;
-      dots<<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
+    return with_flag(a.rstd == nullptr, [&](auto own) {
+      constexpr bool kOwn = decltype(own)::value;
+      const cudaError_t err = with_row_vecs(a.hidden / VEC, [&](auto vecs) {
+        constexpr int V = decltype(vecs)::value;
+        auto first = p.columns ? bwd_few<X, G, W, VEC, kC, true, kOwn, V>
+                               : bwd_few<X, G, W, VEC, kC, false, kOwn, V>;
+        first<<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
+        return cudaGetLastError();
+      });
+      if (err != cudaSuccess || !p.columns) return err;
+      const unsigned grid = unsigned((a.hidden / VEC + kColVecs - 1) / kColVecs);
+      bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a);
       return cudaGetLastError();
     });
-    if (err != cudaSuccess) return err;
-    const unsigned grid = unsigned((a.hidden / VEC + kColVecs - 1) / kColVecs);
-    bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a);
-    return cudaGetLastError();
   });
 }
 

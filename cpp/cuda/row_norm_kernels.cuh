@@ -69,7 +69,7 @@ struct BwdArgs {
   const void* dy;
   void* dx;
   void* partial;  // [regions][gridDim.x][hidden] fp32 (fp64) partial rows
-                  // (none with one block); few rows: [rows][2] row dots
+                  // (none with one block); few rows: [rows] RowTerms
   void* dscale;
   void* dbias;
   int64_t rows, hidden;
@@ -168,11 +168,15 @@ auto with_variant(const RowPlan& p, F&& f) {
   return f(Variant<4>{});
 }
 
-// Calls f(std::bool_constant<centered>{}): LayerNorm or RMSNorm, for kernels
-// that take it as a template parameter.
+// Calls f(std::bool_constant<flag>{}), for kernels that take the flag as a
+// template parameter (with_centered: LayerNorm or RMSNorm).
+template <typename F>
+auto with_flag(bool flag, F&& f) {
+  return flag ? f(std::true_type{}) : f(std::false_type{});
+}
 template <typename F>
 auto with_centered(bool centered, F&& f) {
-  return centered ? f(std::true_type{}) : f(std::false_type{});
+  return with_flag(centered, f);
 }
 
 // Writes VEC outputs (x - mean) * rstd [* w] [+ b] of one vector to dst.
