@@ -211,7 +211,8 @@ int main(int argc, char** argv) {
   for (bool centered : {false, true}) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {1024, 65536}, {512, 4096}, {256, 4096},
+             {2048, 32768}, {512, 65536}, {1024, 65536}, {16384, 8192}, {2048, 8192},
+             {512, 4096}, {256, 4096},
              {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
              {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}}) {
       char name[32];
@@ -452,8 +453,10 @@ int main(int argc, char** argv) {
           } else if (planned && kWriteY && NV == 4) {
             auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
             auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
-            planned = kEarly == (4 * blocks_per_sm(early, threads, 0, info) >=
-                                 3 * blocks_per_sm(late, threads, 0, info));
+            const int early_blocks = blocks_per_sm(early, threads, 0, info);
+            planned = kEarly == (residual
+                ? 4 * early_blocks >= 3 * blocks_per_sm(late, threads, 0, info)
+                : early_blocks * threads >= 1024);
           }
           FwdArgs a = fa;
           a.write_y = kWriteY;
@@ -500,6 +503,8 @@ int main(int argc, char** argv) {
     few_fwd(one{}, yes{}, yes{}, one{}, false);
     few_fwd(four{}, yes{}, no{}, one{}, false);
     few_fwd(four{}, yes{}, yes{}, one{}, false);
+    few_fwd(four{}, yes{}, no{}, one{}, false, true);
+    few_fwd(four{}, yes{}, yes{}, one{}, false, true);
     if (c.rows <= 4 * sms) {  // two blocks a row; the row length fixed; the residual
       few_fwd(two{}, yes{}, yes{}, two{}, false);
       few_fwd(two{}, yes{}, yes{}, one{}, true);

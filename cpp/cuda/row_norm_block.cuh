@@ -450,12 +450,15 @@ cudaError_t with_row_vecs(int64_t nvec, F&& f) {
 
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
-// hide a second memory round trip; for many rows, unless that costs the SM
-// more than a quarter of its blocks (with float32 parameters and 4 vectors a
-// thread it takes 106 registers instead of 54). On an H200 early loads were
-// faster at every bf16 shape measured (1.0-3.5%, costing up to 2 blocks of
-// 12) except LayerNorm at 384 threads a block, where 64 registers instead of
-// 52 leave 2 blocks of 3 and took 9% longer (benchmarks/NOTES.md, v6 and v7).
+// hide a second memory round trip. For many rows, where the SM still holds
+// 1024 threads that way (with float32 parameters and 4 vectors a thread the
+// kernel takes 106 registers instead of 54); with the residual, unless that
+// costs the SM more than a quarter of its blocks. On an H200 (bf16) early
+// loads were 1-14% faster wherever they left 1024 threads, even at a third
+// fewer blocks (RMSNorm 2048x8192: 4 blocks of 256 threads, not 6, 19.3 ->
+// 17.9 µs), and 9% slower where they left 768 (LayerNorm at 384 threads a
+// block: 2 blocks, not 3); with the residual, RMSNorm lost 0-2.5% at 4 blocks
+// of 6 (benchmarks/NOTES.md, v6, v7 and v25).
 // RMSNorm at 16 vectors a thread holds half the row in shared memory where
 // that fits two blocks an SM (fwd_block_half).
 template <typename X, typename Y, typename W, int VEC>
@@ -509,8 +512,10 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
     }
     auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
     auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
-    const bool cheap =
-        4 * blocks_per_sm(early, threads, 0, dev) >= 3 * blocks_per_sm(late, threads, 0, dev);
+    const int early_blocks = blocks_per_sm(early, threads, 0, dev);
+    const bool cheap = a.residual
+        ? 4 * early_blocks >= 3 * blocks_per_sm(late, threads, 0, dev)
+        : early_blocks * threads >= 1024;
     return launch(cheap ? early : late);
   });
 }
