@@ -451,12 +451,7 @@ int main(int argc, char** argv) {
           if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
             planned = kEarly && S == (split_rows(c.rows, sms, kC) && !residual ? 2 : 1);
           } else if (planned && kWriteY && NV == 4) {
-            auto early = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, true>;
-            auto late = fwd_block<bf16, bf16, bf16, VEC, NV, kC, true, false>;
-            const int early_blocks = blocks_per_sm(early, threads, 0, info);
-            planned = kEarly == (residual
-                ? 4 * early_blocks >= 3 * blocks_per_sm(late, threads, 0, info)
-                : early_blocks * threads >= 1024);
+            planned = kEarly == fwd_loads_early<bf16, bf16, bf16, VEC, kC>(threads, residual, info);
           }
           FwdArgs a = fa;
           a.write_y = kWriteY;

@@ -448,17 +448,27 @@ cudaError_t with_row_vecs(int64_t nvec, F&& f) {
   }
 }
 
+// Whether the 4-vector forward at `threads` a row, for many rows, loads scale
+// and bias with x (early) rather than at their use: where the SM still holds
+// 1024 threads that way (with float32 parameters the kernel takes 106
+// registers instead of 54); with the residual, unless that costs the SM more
+// than a quarter of its blocks. On an H200 (bf16) early loads were 1-14%
+// faster wherever they left 1024 threads, even at a third fewer blocks
+// (RMSNorm 2048x8192: 4 blocks of 256 threads, not 6, 19.3 -> 17.9 µs), and
+// 9% slower where they left 768 (LayerNorm at 384 threads a block: 2 blocks,
+// not 3); with the residual, RMSNorm lost 0-2.5% at 4 blocks of 6
+// (benchmarks/NOTES.md, v6, v7 and v25).
+template <typename X, typename Y, typename W, int VEC, bool kC>
+bool fwd_loads_early(int threads, bool residual, const DeviceInfo& dev) {
+  auto blocks = [&](auto kernel) { return blocks_per_sm(kernel, threads, 0, dev); };
+  const int early = blocks(fwd_block<X, Y, W, VEC, 4, kC, true, true>);
+  if (!residual) return early * threads >= 1024;
+  return 4 * early >= 3 * blocks(fwd_block<X, Y, W, VEC, 4, kC, true, false>);
+}
+
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
-// hide a second memory round trip. For many rows, where the SM still holds
-// 1024 threads that way (with float32 parameters and 4 vectors a thread the
-// kernel takes 106 registers instead of 54); with the residual, unless that
-// costs the SM more than a quarter of its blocks. On an H200 (bf16) early
-// loads were 1-14% faster wherever they left 1024 threads, even at a third
-// fewer blocks (RMSNorm 2048x8192: 4 blocks of 256 threads, not 6, 19.3 ->
-// 17.9 µs), and 9% slower where they left 768 (LayerNorm at 384 threads a
-// block: 2 blocks, not 3); with the residual, RMSNorm lost 0-2.5% at 4 blocks
-// of 6 (benchmarks/NOTES.md, v6, v7 and v25).
+// hide a second memory round trip; for many rows as fwd_loads_early says.
 // RMSNorm at 16 vectors a thread holds half the row in shared memory where
 // that fits two blocks an SM (fwd_block_half).
 template <typename X, typename Y, typename W, int VEC>
@@ -510,13 +520,9 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                             : fwd_block<X, Y, W, VEC, 16, kC, true, false>;
       return launch(kernel, 1, FwdLateLoads<W, VEC, kC, true>::bytes(threads));
     }
-    auto early = fwd_block<X, Y, W, VEC, 4, kC, true, true>;
-    auto late = fwd_block<X, Y, W, VEC, 4, kC, true, false>;
-    const int early_blocks = blocks_per_sm(early, threads, 0, dev);
-    const bool cheap = a.residual
-        ? 4 * early_blocks >= 3 * blocks_per_sm(late, threads, 0, dev)
-        : early_blocks * threads >= 1024;
-    return launch(cheap ? early : late);
+    const bool early = fwd_loads_early<X, Y, W, VEC, kC>(threads, a.residual != nullptr, dev);
+    return launch(early ? fwd_block<X, Y, W, VEC, 4, kC, true, true>
+                        : fwd_block<X, Y, W, VEC, 4, kC, true, false>);
   });
 }
 
@@ -578,11 +584,9 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   } else {
     // x - shift, 0 past the row's end (where x is 0).
     auto xs = [&](int k) { return span.in(k / VEC) ? element(xv, k) - mean : A(0); };
-    s[0] = tree_sum<NV * VEC>([&](int k) { return g(k) * xs(k); });
-    s[1] = tree_sum<NV * VEC>([&](int k) { return xs(k) * xs(k); });
-    if constexpr (kCentered) {
-      s[2] = tree_sum<NV * VEC>(xs);
-      s[3] = tree_sum<NV * VEC>(g);
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      s[j] = tree_sum<NV * VEC>([&](int k) { return row_dot_term<kMode>(j, g(k), xs(k)); });
     }
   }
   block_sum<RowSpan<kRowVecs, NV>::kWarps>(s, slots);

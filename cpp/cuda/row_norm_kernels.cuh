@@ -580,18 +580,25 @@ enum class RowDots {
 
 constexpr int row_dot_count(RowDots mode) { return mode == RowDots::kOwnLn ? 4 : 2; }
 
-// Adds one vector to the row sums; xh is xhat (kSaved) or x - k.
+// Term j of the row sums for one element; xh is xhat (kSaved) or x - k.
+template <RowDots kMode, typename A>
+__device__ __forceinline__ A row_dot_term(int j, A g, A xh) {
+  switch (j) {
+    case 0: return g * xh;
+    case 1: return kMode == RowDots::kSaved ? g : xh * xh;
+    case 2: return xh;
+    default: return g;
+  }
+}
+
+// Adds one vector to the row sums.
 template <RowDots kMode, int VEC, typename A>
 __device__ __forceinline__ void add_row_dots(A (&s)[row_dot_count(kMode)], const A (&g)[VEC],
                                              const A (&xh)[VEC]) {
 #pragma unroll
   for (int e = 0; e < VEC; ++e) {
-    s[0] += g[e] * xh[e];
-    s[1] += kMode == RowDots::kSaved ? g[e] : xh[e] * xh[e];
-    if constexpr (kMode == RowDots::kOwnLn) {
-      s[2] += xh[e];
-      s[3] += g[e];
-    }
+#pragma unroll
+    for (int j = 0; j < row_dot_count(kMode); ++j) s[j] += row_dot_term<kMode>(j, g[e], xh[e]);
   }
 }
 
