@@ -7,7 +7,7 @@
 // The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
 // limits the run to those shapes; PROBE=1 launches each plan three times
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
-// backward.
+// backward; NO_CHECK=1 the checks against the host reference.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -116,6 +116,22 @@ __global__ void copy2_kernel(const uint4* in0, uint4* out0, const uint4* in1, ui
   }
 }
 
+// Copies x to y, adding to each vector the same column's vector of kParams
+// row-long tensors (scale and bias, read from L2 for every row): what the
+// forward's parameter loads cost the memory system, without its arithmetic.
+template <int kParams>
+__global__ void copy_params_kernel(const uint4* in, uint4* out, const uint4* w, const uint4* b,
+                                   int64_t n, int row_vecs) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint4 v = in[i];
+    const int c = int(uint32_t(i) % uint32_t(row_vecs));  // n < 2^32 here
+    if (kParams > 0) v.x ^= w[c].x, v.y ^= w[c].y, v.z ^= w[c].z, v.w ^= w[c].w;
+    if (kParams > 1) v.x ^= b[c].x, v.y ^= b[c].y, v.z ^= b[c].z, v.w ^= b[c].w;
+    out[i] = v;
+  }
+}
+
 // An empty kernel launched in clusters of `size` blocks.
 __global__ void empty_cluster_kernel() {}
 
@@ -211,7 +227,9 @@ int main(int argc, char** argv) {
   for (bool centered : {false, true}) {
     for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {1024, 65536}, {16384, 8192}, {2048, 8192},
+             {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 65536}, {128, 65536},
+             {64, 65536}, {34, 65536}, {33, 65536}, {8, 65536}, {1, 65536},
+             {16384, 8192}, {2048, 8192},
              {512, 4096}, {256, 4096},
              {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
              {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}}) {
@@ -276,7 +294,7 @@ int main(int argc, char** argv) {
                c.rows, H, 0, 0, c.centered, true, c.centered, false};
     const int regions = 1 + int(c.centered);
     std::vector<float> hx, hw, hb, hdy;
-    const bool verify = n <= (int64_t(1) << 26);
+    const bool verify = n <= (int64_t(1) << 26) && !std::getenv("NO_CHECK");
     if (verify) {
       hx = to_host(x, n, true), hw = to_host(w, H, true), hb = to_host(b, H, true);
       hdy = to_host(dy, n, true);
@@ -386,6 +404,21 @@ int main(int argc, char** argv) {
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
       }
     }
+    // x to y with 0, 1 or 2 parameter tensors read along (copy+Np).
+    for (int k = 0; !c.centered && k < 3; ++k) {
+      auto kernel = k == 0 ? copy_params_kernel<0> : k == 1 ? copy_params_kernel<1>
+                                                            : copy_params_kernel<2>;
+      const float us = time_us(s, [&] {
+        kernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(x),
+                                       reinterpret_cast<uint4*>(y),
+                                       reinterpret_cast<const uint4*>(w),
+                                       reinterpret_cast<const uint4*>(b), n / VEC, int(nvec));
+      });
+      char name[16];
+      std::snprintf(name, sizeof name, "+%dp", k);
+      std::printf("%-3s %-9s %12s %5s %4d %3d %6d %6s %9.1f %6.0f %4.0f%%\n", op, "copy", shape,
+                  name, 256, 1, sms * 8, "-", us, 4.0 * n / us / 1e3, 400.0 * n / us / 1e3 / copy);
+    }
     // The handler's one-block-a-row forward as planned (h: with y; +r: the
     // residual add; stats +r: statistics and h only, as under jax.grad),
     // where it holds 4 or more vectors a thread.
@@ -409,6 +442,17 @@ int main(int argc, char** argv) {
       char name[16];
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
       print_row(name, us);
+      // What the parameters' loads cost: the same launch without bias (-b)
+      // and without scale and bias (-p); y is not checked.
+      for (int drop = c.centered ? 0 : 1; mode == 0 && drop < 2; ++drop) {
+        FwdArgs bare = a;
+        bare.has_bias = false;
+        if (drop == 1) bare.has_scale = false;
+        std::snprintf(name, sizeof name, "%dh-%s", nv, drop ? "p" : "b");
+        print_row(name, time_us(s, [&] {
+          CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, bare));
+        }));
+      }
       if (nv == kHalfNv && mode == 0) {  // the row in registers alone (16r)
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
