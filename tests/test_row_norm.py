@@ -214,10 +214,11 @@ def check_grads64(op, x, scale, bias, dy, ndim=1, tol_scale=1.0):
 # number of a thread's vectors nor of a column block's (7x2052 float32: 513
 # vectors), float16 and float64 rows, 300 rows (each thread of a column block
 # takes 5); a block smaller than a warp (generic kernels); rows too long for
-# the decode kernels (3x65536: the forward 16 vectors a thread, the
-# backward a cluster of 8 blocks a row). Over 528 rows: one block a row at
-# 1024-65536 wide (4 vectors a thread with y, 8 for statistics only; with y,
-# 8 at 32768 and 16 at 65536); the backward of rows over 2048 vectors in
+# the decode kernels (3x65536: the forward a cluster of 4 blocks of 8
+# vectors a thread, the backward a cluster of 8 blocks a row). Over 528 rows:
+# one block a row at 1024-32768 wide (4 vectors a thread with y, 8 for
+# statistics only; with y, 8 at 32768), at 65536 a cluster of 4 blocks a
+# row; the backward of rows over 2048 vectors in
 # clusters of 4 or 8 blocks, each a slice of the row (32768 and 65536 bf16),
 # slices of unequal length (16392 bf16 and 8196 float32: 2049 vectors, 4
 # slices); float32 parameters of float64 rows too long for 4 vectors a thread
@@ -258,10 +259,16 @@ PLAN_CASES = [
     ((560, 7176), jnp.float16, jnp.float32),
     ((560, 10248), jnp.bfloat16, jnp.float32),
     # long rows with a partial last block of vectors; rows beyond a block's
-    # reach
+    # reach. The forward of rows of 4097-8192 vectors: a cluster of 4 blocks a
+    # row (9 and 40 rows, 3 float32 rows of 5000 vectors) or 2 (50 rows, the
+    # slices 2561 and 2560 vectors), one block a row (100 rows), RMSNorm's
+    # kernel with half the row in shared memory (140 rows)
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
-    # RMSNorm's forward with half of a long row in shared memory
     ((40, 49160), jnp.float16, jnp.float16),
+    ((3, 20000), jnp.float32, jnp.float32),
+    ((50, 40968), jnp.bfloat16, jnp.bfloat16),
+    ((100, 36872), jnp.bfloat16, jnp.bfloat16),
+    ((140, 49160), jnp.float16, jnp.float16),
     ((5, 131080), jnp.bfloat16, jnp.float32),
     ((3, 32772), jnp.float64, jnp.float64),
 ]
@@ -309,7 +316,7 @@ def test_backward_handler_without_statistics(op, shape, x_dtype, p_dtype):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("shape", [(24, 96), (1100, 1024), (40, 1024)], ids=str)
+@pytest.mark.parametrize("shape", [(24, 96), (1100, 1024), (40, 1024), (3, 65536)], ids=str)
 def test_float32_output_of_bf16_x(op, shape):
     """dtype=float32 for bfloat16 x (Flax's default with float32 parameters):
     the backward then gets a float32 dy, wider than x."""

@@ -442,6 +442,8 @@ int main(int argc, char** argv) {
       char name[16];
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
       print_row(name, us);
+      std::vector<float> y_plan;  // to check the cluster kernels against
+      if (verify && !residual && nv == kHalfNv) y_plan = to_host(y, n, true);
       // What the parameters' loads cost: the same launch without bias (-b)
       // and without scale and bias (-p); y is not checked.
       for (int drop = c.centered ? 0 : 1; mode == 0 && drop < 2; ++drop) {
@@ -453,11 +455,37 @@ int main(int argc, char** argv) {
           CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, bare));
         }));
       }
+      // A cluster of 2 or 4 blocks a row (8c2, 8c4); without the residual,
+      // y-diff against the planned kernel's y.
+      auto cluster_row = [&](auto parts) {
+        constexpr int kParts = decltype(parts)::value;
+        with_centered(c.centered, [&](auto centered) {
+          constexpr bool kC = decltype(centered)::value;
+          auto launch = [&] { CHECK(launch_fwd_cluster<bf16, bf16, bf16, VEC, kC, kParts>(s, info, a)); };
+          std::snprintf(name, sizeof name, "8c%d%s", kParts, residual ? "+r" : "");
+          print_row(name, time_us(s, launch));
+          if (!y_plan.empty()) {
+            CHECK(cudaMemset(y, 0, n * 2));
+            launch();
+            std::vector<float> got = to_host(y, n, true);
+            double diff = 0;
+            for (int64_t i = 0; i < n; ++i) {
+              diff = std::max(diff, std::abs(double(got[i]) - y_plan[i]) / (1 + std::abs(y_plan[i])));
+            }
+            std::printf("    y-diff of %s against the plan: %.1e\n", name, diff);
+          }
+          return 0;
+        });
+      };
+      if (nv == kHalfNv && info.clusters && write_y) {
+        cluster_row(std::integral_constant<int, 2>{});
+        cluster_row(std::integral_constant<int, 4>{});
+      }
       if (nv == kHalfNv && mode == 0) {  // the row in registers alone (16r)
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, kHalfNv, kC, true, false>;
-          const size_t smem = FwdLateLoads<bf16, VEC, kC, true>::bytes(threads);
+          const size_t smem = fwd_block_smem<bf16, VEC, kHalfNv, kC, true, false>(threads);
           CHECK(allow_dynamic_smem_once(kernel, smem, info));
           print_row("16r", time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); }));
           return 0;
@@ -501,7 +529,9 @@ int main(int argc, char** argv) {
           a.write_y = kWriteY;
           if (residual) a.residual = res, a.new_residual = h;
           const unsigned grid = unsigned(c.rows * S);
-          const float us = time_us(s, [&] { kernel<<<grid, threads, 0, s>>>(a); });
+          const size_t smem = fwd_block_smem<bf16, VEC, NV, kC, kWriteY, kEarly>(threads);
+          CHECK(allow_dynamic_smem_once(kernel, smem, info));
+          const float us = time_us(s, [&] { kernel<<<grid, threads, smem, s>>>(a); });
           const double bytes = (kWriteY ? 2.0 : 1.0) * n * 2 * (residual ? 2 : 1);
           char name[16];
           std::snprintf(name, sizeof name, "%df%s%s%s%s%s", NV, kEarly && kWriteY ? "e" : "",
@@ -511,7 +541,7 @@ int main(int argc, char** argv) {
                       kWriteY ? "fwd" : "stats", shape, name, threads, 1, long(grid), "-", us,
                       bytes / us / 1e3, 100 * bytes / us / 1e3 / copy);
           if (kWriteY) {
-            kernel<<<grid, threads, 0, s>>>(fa);  // checked with dx
+            kernel<<<grid, threads, smem, s>>>(fa);  // checked with dx
             if (verify && !residual) {  // largest |y - y_ref| / (1 + |y_ref|)
               std::vector<float> got = to_host(y, n, true);
               if (y_ref.empty()) y_ref = got;

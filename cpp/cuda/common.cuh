@@ -455,16 +455,23 @@ class ClusterSum {
 
   __device__ explicit ClusterSum(Shared& sh) : sh_(sh) {}
 
-  // Every thread of every block calls it before the first sum.
+  // Every thread of every block calls it before the first sum, and before
+  // the block's first cp.async: with copies issued between the cluster
+  // barrier's arrive and its wait, compute-sanitizer's racecheck reports the
+  // next block on the SM's first shared-memory write against them
+  // (benchmarks/NOTES.md, v27).
   __device__ void init() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x < 2) {
       const uint32_t bar = shared_addr(&sh_.bars[threadIdx.x]);
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+      // What publishes the initialized mbarriers to the cluster, so the
+      // arrive may be relaxed: a release would first wait for every earlier
+      // memory access of the thread (MEMBAR.ALL.GPU), the loads included.
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
-    __cluster_barrier_arrive();  // release: the initialized mbarriers
-    __cluster_barrier_wait();
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+    asm volatile("barrier.cluster.wait;" ::: "memory");
     asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank_));
 #endif
   }

@@ -226,6 +226,14 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
 template <typename W, int VEC, bool kCentered, bool kWriteY, int kShared = 0>
 using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1, kShared ? 64 : 128>;
 
+// Dynamic shared memory of fwd_block: its LateLoads, where it has them.
+template <typename W, int VEC, int NV, bool kCentered, bool kWriteY, bool kEarlyParams>
+constexpr size_t fwd_block_smem(int threads) {
+  return kWriteY && !kEarlyParams && NV >= 8
+             ? FwdLateLoads<W, VEC, kCentered, true>::bytes(threads)
+             : 0;
+}
+
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
 // and bias need more than the 64 registers a 1024-thread block leaves.
 constexpr int fwd_block_threads(int nv, bool write_y) {
@@ -246,28 +254,40 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // shared memory, after the LateLoads, not in registers: copied there with
 // cp.async, no residual.
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
-          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0, int kShared = 0>
+          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0, int kShared = 0, int kParts = 1>
 __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   using A = acc_t<X>;
   static_assert(kSplit == 1 || (NV == kFewNv && NV % kSplit == 0 && kWriteY));
   static_assert(kRowVecs == 0 || NV == kFewNv);
   static_assert(kShared == 0 || (kShared < NV && kSplit == 1 && kWriteY && !kEarlyParams));
+  static_assert(kParts == 1 || (kSplit == 1 && kShared == 0 && NV > kFewNv && kWriteY));
   constexpr int kOwn = NV / kSplit;  // vectors this block writes
   constexpr int kRegs = NV - kShared;  // vectors held in registers
   constexpr bool kHold = kWriteY && kEarlyParams;
   constexpr int kHeld = kHold ? kOwn : 1;  // parameter vectors held
   __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
   const int hidden = kRowVecs > 0 ? kRowVecs * VEC : int(a.hidden);
-  const int64_t row = blockIdx.x / kSplit;
+  const int64_t row = blockIdx.x / (kSplit * kParts);
   const int part = blockIdx.x % kSplit;
-  const RowSpan<kRowVecs, NV> span(hidden / VEC, part * kOwn);
+  // With a cluster a row (kParts > 1), the block of rank r takes the row's
+  // slice of vectors [r * slice, (r + 1) * slice): the pointers below start
+  // there, and the row's sums are added over the cluster (ClusterSum).
+  const int rank = kParts > 1 ? int(blockIdx.x % kParts) : 0;
+  const int row_vecs = hidden / VEC, slice = (row_vecs + kParts - 1) / kParts;
+  const int first = rank * slice * VEC;  // the slice's first element
+  const RowSpan<kRowVecs, NV> span(kParts > 1 ? max(0, min(slice, row_vecs - rank * slice))
+                                              : row_vecs,
+                                   part * kOwn);
   const bool use_w = kWriteY && a.has_scale, use_b = kWriteY && kCentered && a.has_bias;
-  const W* scale = static_cast<const W*>(a.scale);
-  const W* bias = static_cast<const W*>(a.bias);
-  const X* xr = static_cast<const X*>(a.x) + row * hidden;
+  const W* scale = static_cast<const W*>(a.scale) + (use_w ? first : 0);
+  const W* bias = static_cast<const W*>(a.bias) + (use_b ? first : 0);
+  const X* xr = static_cast<const X*>(a.x) + row * hidden + first;
   RegVec<X, VEC> xv[kRegs];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, xr, span);
+  __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
+  ClusterSum<A, 4> cluster(cluster_shared);
+  if constexpr (kParts > 1) cluster.init();  // x in flight; before any cp.async
   // LateLoads: the residual, and with y, scale and bias
   constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
   constexpr bool kLate = kWriteY && kLateResidual;
@@ -308,11 +328,12 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   const bool residual = kSplit == 1 && kShared == 0 && a.residual;
   if (residual && !kLateResidual) {
     load_params();  // before the residual add's stores, which no load passes
-    add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden, [&](int i) { return span.in(i); },
+    add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden + first,
+                                        [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
     if constexpr (kLateResidual && kShared == 0) {
-      if (residual) add_residual_late(xv, a, row * hidden, span, late);
+      if (residual) add_residual_late(xv, a, row * hidden + first, span, late);
     }
     load_params();  // where ptxas places it: after the first sum (v9)
   }
@@ -326,11 +347,15 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
     // 64-83 registers instead of 52-64, which cost the SM a block and up to
     // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
     if constexpr (kShared > 0) cp_async_wait<Late::kSlots - 1>();  // the row, not the params
+    auto row_sum = [&](auto& v, auto& warp_slots) {
+      block_sum(v, warp_slots);
+      if constexpr (kParts > 1) cluster(v, kParts);
+    };
     row_stats_of<A, VEC, NV>(vec, span.lane, span.step, span.nvec, a.centered, A(a.epsilon),
                              inv_n, mean, rstd,
-                             [&](A (&v)[1], int k) { block_sum(v, slots[k]); });
+                             [&](A (&v)[1], int k) { row_sum(v, slots[k]); });
   }
-  if (span.lane == 0 && part == 0) {
+  if (span.lane == 0 && part == 0 && rank == 0) {
     if (kCentered) static_cast<A*>(a.mean)[row] = mean;
     static_cast<A*>(a.rstd)[row] = rstd;
   }
@@ -339,7 +364,7 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
       for (auto& v : wv) v.forget_converted();
       for (auto& v : bv) v.forget_converted();
     }
-    Y* yr = static_cast<Y*>(a.y) + row * hidden;
+    Y* yr = static_cast<Y*>(a.y) + row * hidden + first;
 #pragma unroll
     for (int i = 0; i < kOwn; ++i) {
       if constexpr (kLate) Late::Stages::advance(i % Late::kSlots, i, 1, issue_params);
@@ -384,6 +409,48 @@ template <typename X, typename Y, typename W, int VEC>
 __global__ void __launch_bounds__(512, 2) fwd_block_half(FwdArgs a) {
   fwd_block_row<X, Y, W, VEC, kHalfNv, false, true, false, 1, 0, kHalfNv / 2>(a);
 }
+// Rows of 4097-8192 vectors with y (up to 65536 16-bit elements) split over
+// a cluster of kParts blocks of 8 vectors a thread (fwd_block_row's kParts):
+// more SMs for a row where few rows would leave SMs idle, and smaller blocks
+// than one a row for LayerNorm, which holds all 16 vectors in registers, one
+// block an SM. Two blocks of 512 threads an SM: 64 registers, except for
+// LayerNorm with y wider than x, which spilled under that bound (ptxas: 8
+// bytes with bf16 x and float32 y and scale).
+template <typename X, typename Y, typename W, bool kCentered>
+constexpr int fwd_cluster_min_blocks() {
+  return kCentered && sizeof(Y) > sizeof(X) ? 1 : 2;
+}
+template <typename X, typename Y, typename W, int VEC, bool kCentered, int kParts>
+__global__ void __launch_bounds__(512, (fwd_cluster_min_blocks<X, Y, W, kCentered>()))
+    fwd_cluster(FwdArgs a) {
+  fwd_block_row<X, Y, W, VEC, 8, kCentered, true, false, 1, 0, 0, kParts>(a);
+}
+template <typename X, typename Y, typename W, int VEC, bool kCentered, int kParts>
+cudaError_t launch_fwd_cluster(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
+  const int threads = threads_per_row((a.hidden / VEC + kParts - 1) / kParts, 8);
+  auto kernel = fwd_cluster<X, Y, W, VEC, kCentered, kParts>;
+  const size_t smem = FwdLateLoads<W, VEC, kCentered, true>::bytes(threads);
+  if (const cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) {
+    return e;
+  }
+  return launch_clusters(kernel, unsigned(a.rows * kParts), threads, smem, kParts, stream, a);
+}
+// Blocks a row of fwd_cluster for the rows fwd_block would give 16 vectors a
+// thread (0: fwd_block, or fwd_block_half where `half_serves`). On an H200
+// (bf16, rows of 65536, benchmarks/NOTES.md, v26): 4 up to about a block an
+// SM (1 to 34 rows; RMSNorm 1 row 7.8 -> 3.8 us), 2 up to half as many rows
+// as SMs (64 rows: 8.8 -> 6.6), one block where each SM gets a row (128
+// rows: a cluster 11.3, one block 9.4); more rows, 4 (LayerNorm 512 rows
+// 55.1 -> 48.5), unless RMSNorm's half-row kernel serves (39.6 against 41.1).
+inline int fwd_cluster_parts(int64_t rows, bool half_serves, const DeviceInfo& dev) {
+  const int64_t sms = dev.sms;
+  if (!dev.clusters) return 0;
+  if (4 * rows <= sms + sms / 4) return 4;
+  if (2 * rows <= sms) return 2;
+  if (rows <= sms) return 0;
+  return half_serves ? 0 : 4;
+}
+
 template <typename W, int VEC>
 constexpr size_t fwd_block_half_smem(int threads) {
   return FwdLateLoads<W, VEC, false, true, kHalfNv / 2>::bytes(threads) +
@@ -469,8 +536,9 @@ bool fwd_loads_early(int threads, bool residual, const DeviceInfo& dev) {
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
 // hide a second memory round trip; for many rows as fwd_loads_early says.
-// RMSNorm at 16 vectors a thread holds half the row in shared memory where
-// that fits two blocks an SM (fwd_block_half).
+// Rows for 16 vectors a thread go to a cluster of blocks (fwd_cluster_parts),
+// or to RMSNorm's kernel with half the row in shared memory where that fits
+// two blocks an SM (fwd_block_half).
 template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
@@ -508,11 +576,22 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
       });
     }
-    if constexpr (!kC && sizeof(X) == 2 && sizeof(Y) == 2 && sizeof(W) == 2) {
-      if (nv == kHalfNv && !a.residual) {
-        auto half = fwd_block_half<X, Y, W, VEC>;
-        const size_t smem = fwd_block_half_smem<W, VEC>(threads);
-        if (blocks_per_sm(half, threads, smem, dev) >= 2) return launch(half, 1, smem);
+    if (nv == kHalfNv) {
+      constexpr bool kHalf = !kC && sizeof(X) == 2 && sizeof(Y) == 2 && sizeof(W) == 2;
+      bool half = false;
+      if constexpr (kHalf) {  // where rows outnumber SMs (128 rows: 10.1 us, registers 9.4)
+        half = !a.residual && a.rows > dev.sms &&
+               blocks_per_sm(fwd_block_half<X, Y, W, VEC>, threads,
+                             fwd_block_half_smem<W, VEC>(threads), dev) >= 2;
+      }
+      switch (fwd_cluster_parts(a.rows, half, dev)) {
+        case 2: return launch_fwd_cluster<X, Y, W, VEC, kC, 2>(stream, dev, a);
+        case 4: return launch_fwd_cluster<X, Y, W, VEC, kC, 4>(stream, dev, a);
+      }
+      if constexpr (kHalf) {
+        if (half) {
+          return launch(fwd_block_half<X, Y, W, VEC>, 1, fwd_block_half_smem<W, VEC>(threads));
+        }
       }
     }
     if (nv == 8 || nv == 16) {
