@@ -22,16 +22,10 @@
 #include <vector>
 
 #include "cuda/row_norm_block.cuh"
+#include "cuda_check.h"
 
 using namespace jaxnorm::cuda;
 using bf16 = __nv_bfloat16;
-
-void check_at(cudaError_t e, const char* file, int line) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "%s:%d %s\n", file, line, cudaGetErrorString(e));
-  std::exit(1);
-}
-#define CHECK(...) check_at((__VA_ARGS__), __FILE__, __LINE__)
 
 __global__ void fill(bf16* p, int64_t n, uint32_t seed, float offset) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
