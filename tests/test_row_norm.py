@@ -413,12 +413,13 @@ def test_empty_rows(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_nonfinite_rows_stay_in_their_row(op):
+@pytest.mark.parametrize("hidden", [300, 20000])  # 20000: a cluster of blocks a row on sm_90
+def test_nonfinite_rows_stay_in_their_row(op, hidden):
     _, centered, eps = OPS[op]
-    x = np.array(rand(71, (6, 300), jnp.float32))
+    x = np.array(rand(71, (6, hidden), jnp.float32))
     x[1, 7] = np.nan
-    x[4, 0] = np.inf
-    scale, bias = params(op, 71, (300,), jnp.float32)
+    x[4, hidden - 1] = np.inf
+    scale, bias = params(op, 71, (hidden,), jnp.float32)
     y = np.asarray(jax.jit(functools.partial(call, op))(jnp.asarray(x), scale, bias))
     bad = ~np.isfinite(y)
     assert bad[1].any() and bad[4].any()
