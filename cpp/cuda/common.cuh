@@ -563,9 +563,20 @@ struct DeviceInfo {
   bool clusters = false;  // thread-block clusters (sm_90 and later)
 };
 
-// Above the most static shared memory of any kernel (the float64 backward's,
-// 2112 bytes: ptxas -v), so that every plan's dynamic shared memory fits.
+// Above the most static shared memory of any kernel, so that every plan's
+// dynamic shared memory fits: the float64 backward's cluster split, 2688
+// bytes with the padding kDynSmemAlign adds (ptxas -v).
 constexpr size_t kStaticSmemMargin = 4096;
+
+// Alignment of the kernels' dynamic shared memory (`extern __shared__
+// __align__(kDynSmemAlign) unsigned char dyn[]`, one symbol: every
+// declaration must agree). A warp's 16-byte cells cover 512 bytes; 16 bytes
+// off a 128-byte line, as after ClusterSum's static shared memory (528 and
+// 1296 bytes), each quarter warp's accesses straddle two lines. Nsight
+// Compute counted 43% of the cluster forward's shared wavefronts excessive;
+// aligned, it ran up to 21% faster and the backward's cluster split 2-8%
+// (benchmarks/NOTES.md, v29).
+constexpr int kDynSmemAlign = 128;
 
 inline DeviceInfo query_device(int device) {
   DeviceInfo d;

@@ -292,7 +292,7 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
   constexpr bool kLate = kWriteY && kLateResidual;
   using Late = FwdLateLoads<W, VEC, kCentered, kWriteY, kShared>;
-  extern __shared__ __align__(16) unsigned char dyn[];
+  extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const Late late{dyn};
   // Vector i of the thread's NV, from registers or shared memory.
   uint4* held = reinterpret_cast<uint4*>(dyn + Late::bytes(blockDim.x)) + threadIdx.x;

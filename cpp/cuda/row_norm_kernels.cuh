@@ -431,7 +431,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) fwd_regs(FwdArgs a) {
   using A = acc_t<X>;
   using R = Ring<VEC, NV, 1>;
   __shared__ A smem[32];
-  extern __shared__ __align__(16) unsigned char dyn[];
+  extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const RowThread<A> t(a.tpr, a.hidden, VEC);
   const bool use_w = a.write_y && a.has_scale, use_b = a.write_y && a.has_bias;
@@ -744,7 +744,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
   __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
-  extern __shared__ __align__(16) unsigned char dyn[];
+  extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
