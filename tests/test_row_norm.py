@@ -259,10 +259,10 @@ PLAN_CASES = [
     ((560, 7176), jnp.float16, jnp.float32),
     ((560, 10248), jnp.bfloat16, jnp.float32),
     # long rows with a partial last block of vectors; rows beyond a block's
-    # reach. The forward of rows of 4097-8192 vectors: a cluster of 4 blocks a
-    # row (9 and 40 rows, 3 float32 rows of 5000 vectors) or 2 (50 rows, the
-    # slices 2561 and 2560 vectors), one block a row (100 rows), RMSNorm's
-    # kernel with half the row in shared memory (140 rows)
+    # reach. The forward of rows of 4097-8192 vectors on sm_90: a cluster of 4
+    # blocks a row (9, 40 and 140 rows, 3 float32 rows of 5000 vectors) or 2
+    # (50 rows, the slices 2561 and 2560 vectors; 100 rows); one block a row
+    # without clusters
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
     ((40, 49160), jnp.float16, jnp.float16),
     ((3, 20000), jnp.float32, jnp.float32),

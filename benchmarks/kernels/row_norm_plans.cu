@@ -437,7 +437,7 @@ int main(int argc, char** argv) {
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
       print_row(name, us);
       std::vector<float> y_plan;  // to check the cluster kernels against
-      if (verify && !residual && nv == kHalfNv) y_plan = to_host(y, n, true);
+      if (verify && !residual && nv == kLongNv) y_plan = to_host(y, n, true);
       // What the parameters' loads cost: the same launch without bias (-b)
       // and without scale and bias (-p); y is not checked.
       for (int drop = c.centered ? 0 : 1; mode == 0 && drop < 2; ++drop) {
@@ -471,15 +471,15 @@ int main(int argc, char** argv) {
           return 0;
         });
       };
-      if (nv == kHalfNv && info.clusters && write_y) {
+      if (nv == kLongNv && info.clusters && write_y) {
         cluster_row(std::integral_constant<int, 2>{});
         cluster_row(std::integral_constant<int, 4>{});
       }
-      if (nv == kHalfNv && mode == 0) {  // the row in registers alone (16r)
+      if (nv == kLongNv && mode == 0) {  // the row in registers alone (16r)
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
-          auto kernel = fwd_block<bf16, bf16, bf16, VEC, kHalfNv, kC, true, false>;
-          const size_t smem = fwd_block_smem<bf16, VEC, kHalfNv, kC, true, false>(threads);
+          auto kernel = fwd_block<bf16, bf16, bf16, VEC, kLongNv, kC, true, false>;
+          const size_t smem = fwd_block_smem<bf16, VEC, kLongNv, kC, true, false>(threads);
           CHECK(allow_dynamic_smem_once(kernel, smem, info));
           print_row("16r", time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); }));
           return 0;

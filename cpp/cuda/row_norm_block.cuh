@@ -221,10 +221,9 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
 }
 
 // fwd_block's LateLoads: scale and bias (LayerNorm with y), else one tensor.
-// 128 bytes a thread: 64 KB for 512 threads, two blocks an SM; 64 with half
-// the row in shared memory (fwd_block_half).
-template <typename W, int VEC, bool kCentered, bool kWriteY, int kShared = 0>
-using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1, kShared ? 64 : 128>;
+// 128 bytes a thread: 64 KB for 512 threads, two blocks an SM.
+template <typename W, int VEC, bool kCentered, bool kWriteY>
+using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1, 128>;
 
 // Dynamic shared memory of fwd_block: its LateLoads, where it has them.
 template <typename W, int VEC, int NV, bool kCentered, bool kWriteY, bool kEarlyParams>
@@ -250,19 +249,14 @@ constexpr int fwd_block_threads(int nv, bool write_y) {
 // block_row_stats) and normalizes and writes NV / kSplit of its vectors, the
 // registers its flip brings first. kRowVecs > 0 (decode only): rows of
 // exactly that many vectors, kRowVecs / NV threads a block (RowSpan).
-// kShared > 0 (fwd_block_half): the thread's last kShared vectors are held in
-// shared memory, after the LateLoads, not in registers: copied there with
-// cp.async, no residual.
 template <typename X, typename Y, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
-          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0, int kShared = 0, int kParts = 1>
+          bool kEarlyParams, int kSplit = 1, int kRowVecs = 0, int kParts = 1>
 __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   using A = acc_t<X>;
   static_assert(kSplit == 1 || (NV == kFewNv && NV % kSplit == 0 && kWriteY));
   static_assert(kRowVecs == 0 || NV == kFewNv);
-  static_assert(kShared == 0 || (kShared < NV && kSplit == 1 && kWriteY && !kEarlyParams));
-  static_assert(kParts == 1 || (kSplit == 1 && kShared == 0 && NV > kFewNv && kWriteY));
+  static_assert(kParts == 1 || (kSplit == 1 && NV > kFewNv && kWriteY));
   constexpr int kOwn = NV / kSplit;  // vectors this block writes
-  constexpr int kRegs = NV - kShared;  // vectors held in registers
   constexpr bool kHold = kWriteY && kEarlyParams;
   constexpr int kHeld = kHold ? kOwn : 1;  // parameter vectors held
   __shared__ WarpSlots<1, A> slots[2];  // the statistics' two sums
@@ -282,7 +276,7 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   const W* scale = static_cast<const W*>(a.scale) + (use_w ? first : 0);
   const W* bias = static_cast<const W*>(a.bias) + (use_b ? first : 0);
   const X* xr = static_cast<const X*>(a.x) + row * hidden + first;
-  RegVec<X, VEC> xv[kRegs];
+  RegVec<X, VEC> xv[NV];
   RegVec<W, VEC> wv[kHeld], bv[kHeld];
   load_row(xv, xr, span);
   __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
@@ -291,26 +285,9 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   // LateLoads: the residual, and with y, scale and bias
   constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
   constexpr bool kLate = kWriteY && kLateResidual;
-  using Late = FwdLateLoads<W, VEC, kCentered, kWriteY, kShared>;
+  using Late = FwdLateLoads<W, VEC, kCentered, kWriteY>;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const Late late{dyn};
-  // Vector i of the thread's NV, from registers or shared memory.
-  uint4* held = reinterpret_cast<uint4*>(dyn + Late::bytes(blockDim.x)) + threadIdx.x;
-  auto vec = [&](int i) {
-    RegVec<X, VEC> v = xv[i < kRegs ? i : 0];
-    if (i >= kRegs) {
-      v.zero();
-      if (span.in(i)) v.load_shared(held + (i - kRegs) * blockDim.x);
-    }
-    return v;
-  };
-  if constexpr (kShared > 0) {
-#pragma unroll
-    for (int i = kRegs; i < NV; ++i) {
-      if (span.in(i)) cp_async16(held + (i - kRegs) * blockDim.x, xr + span.at(i) * VEC);
-    }
-    cp_async_commit();
-  }
   auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
     if (i >= kOwn || !span.in(int(i))) return;
     if (use_w) late.issue(slot, 0, scale + span.at(int(i)) * VEC);
@@ -324,15 +301,14 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
       Late::Stages::prime(issue_params, 0, 1);  // in flight through the reduction
     }
   };
-  // never split, never with kShared (launch_fwd_block)
-  const bool residual = kSplit == 1 && kShared == 0 && a.residual;
+  const bool residual = kSplit == 1 && a.residual;  // never split (launch_fwd_block)
   if (residual && !kLateResidual) {
     load_params();  // before the residual add's stores, which no load passes
     add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden + first,
                                         [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
-    if constexpr (kLateResidual && kShared == 0) {
+    if constexpr (kLateResidual) {
       if (residual) add_residual_late(xv, a, row * hidden + first, span, late);
     }
     load_params();  // where ptxas places it: after the first sum (v9)
@@ -346,14 +322,12 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
     // time. With block_row_stats, ptxas gave LayerNorm's 4-vector kernels
     // 64-83 registers instead of 52-64, which cost the SM a block and up to
     // 9% at 8192x12288 (benchmarks/NOTES.md, v7).
-    if constexpr (kShared > 0) cp_async_wait<Late::kSlots - 1>();  // the row, not the params
     auto row_sum = [&](auto& v, auto& warp_slots) {
       block_sum(v, warp_slots);
       if constexpr (kParts > 1) cluster(v, kParts);
     };
-    row_stats_of<A, VEC, NV>(vec, span.lane, span.step, span.nvec, a.centered, A(a.epsilon),
-                             inv_n, mean, rstd,
-                             [&](A (&v)[1], int k) { row_sum(v, slots[k]); });
+    row_stats<A, VEC, NV>(xv, span.lane, span.step, span.nvec, a.centered, A(a.epsilon), inv_n,
+                          mean, rstd, [&](A (&v)[1], int k) { row_sum(v, slots[k]); });
   }
   if (span.lane == 0 && part == 0 && rank == 0) {
     if (kCentered) static_cast<A*>(a.mean)[row] = mean;
@@ -386,7 +360,7 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
         if (use_w) load_scale(w, scale + c * VEC, a.scale_offset);
         if (use_b) load_vec(b, bias + c * VEC);
       }
-      normalize_store(yr + c * VEC, vec(i), mean, rstd, w, use_w, b, use_b);
+      normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
     }
   }
 }
@@ -397,18 +371,7 @@ __global__ void __launch_bounds__(fwd_block_threads(NV, kWriteY)) fwd_block(FwdA
   fwd_block_row<X, Y, W, VEC, NV, kCentered, kWriteY, kEarlyParams, kSplit, kRowVecs>(a);
 }
 
-// RMSNorm's rows of 4097-8192 vectors (up to 65536 16-bit elements) with y:
-// 16 vectors a thread, 8 of them in shared memory, so that two 512-thread
-// blocks share an SM and one loads while the other reduces or stores; with
-// all 16 in registers the SM holds one and does each in turn. On an H200
-// (bf16, benchmarks/NOTES.md, v22) 512x65536 took 39.4 µs instead of 44.5.
-// Only where the 64 registers the bound leaves do not spill (16-bit x, y and
-// scale, ptxas); LayerNorm's kernel spilled 28 bytes and ran no faster.
-constexpr int kHalfNv = 16;
-template <typename X, typename Y, typename W, int VEC>
-__global__ void __launch_bounds__(512, 2) fwd_block_half(FwdArgs a) {
-  fwd_block_row<X, Y, W, VEC, kHalfNv, false, true, false, 1, 0, kHalfNv / 2>(a);
-}
+constexpr int kLongNv = 16;  // vectors a thread of fwd_block on the longest rows
 // Rows of 4097-8192 vectors with y (up to 65536 16-bit elements) split over
 // a cluster of kParts blocks of 8 vectors a thread (fwd_block_row's kParts):
 // more SMs for a row where few rows would leave SMs idle, and smaller blocks
@@ -423,7 +386,7 @@ constexpr int fwd_cluster_min_blocks() {
 template <typename X, typename Y, typename W, int VEC, bool kCentered, int kParts>
 __global__ void __launch_bounds__(512, (fwd_cluster_min_blocks<X, Y, W, kCentered>()))
     fwd_cluster(FwdArgs a) {
-  fwd_block_row<X, Y, W, VEC, 8, kCentered, true, false, 1, 0, 0, kParts>(a);
+  fwd_block_row<X, Y, W, VEC, 8, kCentered, true, false, 1, 0, kParts>(a);
 }
 template <typename X, typename Y, typename W, int VEC, bool kCentered, int kParts>
 cudaError_t launch_fwd_cluster(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
@@ -436,25 +399,16 @@ cudaError_t launch_fwd_cluster(cudaStream_t stream, const DeviceInfo& dev, const
   return launch_clusters(kernel, unsigned(a.rows * kParts), threads, smem, kParts, stream, a);
 }
 // Blocks a row of fwd_cluster for the rows fwd_block would give 16 vectors a
-// thread (0: fwd_block, or fwd_block_half where `half_serves`). On an H200
-// (bf16, rows of 65536, benchmarks/NOTES.md, v26): 4 up to about a block an
-// SM (1 to 34 rows; RMSNorm 1 row 7.8 -> 3.8 us), 2 up to half as many rows
-// as SMs (64 rows: 8.8 -> 6.6), one block where each SM gets a row (128
-// rows: a cluster 11.3, one block 9.4); more rows, 4 (LayerNorm 512 rows
-// 55.1 -> 48.5), unless RMSNorm's half-row kernel serves (39.6 against 41.1).
-inline int fwd_cluster_parts(int64_t rows, bool half_serves, const DeviceInfo& dev) {
+// thread (0: fwd_block, the only choice without clusters, before sm_90). On
+// an H200 (bf16, rows of 65536, benchmarks/NOTES.md, v26 and v30): 4 up to
+// about a block an SM (1 to 34 rows; RMSNorm 1 row 7.8 -> 3.8 us), 2 up to a
+// row an SM (128 rows, against one block: RMSNorm 9.2 -> 8.1, LayerNorm
+// 12.4 -> 10.8), 4 beyond (512 rows: RMSNorm 44.5 -> 35.2, LayerNorm 54.8 ->
+// 41.3).
+inline int fwd_cluster_parts(int64_t rows, const DeviceInfo& dev) {
   const int64_t sms = dev.sms;
   if (!dev.clusters) return 0;
-  if (4 * rows <= sms + sms / 4) return 4;
-  if (2 * rows <= sms) return 2;
-  if (rows <= sms) return 0;
-  return half_serves ? 0 : 4;
-}
-
-template <typename W, int VEC>
-constexpr size_t fwd_block_half_smem(int threads) {
-  return FwdLateLoads<W, VEC, false, true, kHalfNv / 2>::bytes(threads) +
-         size_t(kHalfNv / 2) * sizeof(uint4) * threads;
+  return 4 * rows <= sms + sms / 4 || rows > sms ? 4 : 2;
 }
 
 // Vectors a thread with which fwd_block serves a launch, or 0 where it does
@@ -536,9 +490,7 @@ bool fwd_loads_early(int threads, bool residual, const DeviceInfo& dev) {
 // Launches fwd_block with nv vectors a thread (an answer of block_fwd_nv).
 // Scale and bias are loaded with x for few rows, where nothing else would
 // hide a second memory round trip; for many rows as fwd_loads_early says.
-// Rows for 16 vectors a thread go to a cluster of blocks (fwd_cluster_parts),
-// or to RMSNorm's kernel with half the row in shared memory where that fits
-// two blocks an SM (fwd_block_half).
+// Rows for 16 vectors a thread go to a cluster of blocks (fwd_cluster_parts).
 template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                              const FwdArgs& a) {
@@ -576,27 +528,15 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         return launch(fwd_block<X, Y, W, VEC, kFewNv, kC, true, true, 1, V>);
       });
     }
-    if (nv == kHalfNv) {
-      constexpr bool kHalf = !kC && sizeof(X) == 2 && sizeof(Y) == 2 && sizeof(W) == 2;
-      bool half = false;
-      if constexpr (kHalf) {  // where rows outnumber SMs (128 rows: 10.1 us, registers 9.4)
-        half = !a.residual && a.rows > dev.sms &&
-               blocks_per_sm(fwd_block_half<X, Y, W, VEC>, threads,
-                             fwd_block_half_smem<W, VEC>(threads), dev) >= 2;
-      }
-      switch (fwd_cluster_parts(a.rows, half, dev)) {
+    if (nv == kLongNv) {
+      switch (fwd_cluster_parts(a.rows, dev)) {
         case 2: return launch_fwd_cluster<X, Y, W, VEC, kC, 2>(stream, dev, a);
         case 4: return launch_fwd_cluster<X, Y, W, VEC, kC, 4>(stream, dev, a);
       }
-      if constexpr (kHalf) {
-        if (half) {
-          return launch(fwd_block_half<X, Y, W, VEC>, 1, fwd_block_half_smem<W, VEC>(threads));
-        }
-      }
     }
-    if (nv == 8 || nv == 16) {
+    if (nv == 8 || nv == kLongNv) {
       auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
-                            : fwd_block<X, Y, W, VEC, 16, kC, true, false>;
+                            : fwd_block<X, Y, W, VEC, kLongNv, kC, true, false>;
       return launch(kernel, 1, FwdLateLoads<W, VEC, kC, true>::bytes(threads));
     }
     const bool early = fwd_loads_early<X, Y, W, VEC, kC>(threads, a.residual != nullptr, dev);
