@@ -223,7 +223,7 @@ int main(int argc, char** argv) {
              {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
              {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 65536}, {128, 65536},
              {64, 65536}, {34, 65536}, {33, 65536}, {8, 65536}, {1, 65536},
-             {16384, 8192}, {2048, 8192},
+             {16384, 8192}, {2048, 8192}, {32768, 2048}, {131072, 512}, {2048, 4096},
              {512, 4096}, {256, 4096},
              {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
              {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}}) {
@@ -313,7 +313,7 @@ int main(int argc, char** argv) {
     const FewBwdPlan few = plan_bwd_few<bf16, VEC>(c.rows, H, info);
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
     const RowPlan bwd_plan =
-        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, true, regions, info);
+        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, regions, true, info);
     for (int nv : {4, 8}) {
       if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
      for (int one_row : {0, 1}) {

@@ -69,12 +69,12 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
     }
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
-  RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, a.has_scale, regions, dev);
+  const bool plain = a.dres == nullptr && a.scale_offset == 0;
+  RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, regions, plain, dev);
   if (p.nv == 0) {  // the register path computes missing statistics itself
     JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
   }
-  auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions,
-                                    a.dres == nullptr && a.scale_offset == 0, dev);
+  auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, plain, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
   return cuda_error(launch_bwd<X, G, W, VEC>(stream, l, a), "row_norm_bwd");
 }

@@ -1206,11 +1206,26 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   return p;
 }
 
-// Backward rows: the element-wise plan; else 4 vectors a thread (the ring
-// stages no more, and 8 held in registers spilled), with as many rows per block as
-// keep two blocks on an SM, or the long path when a row does not fit.
+// Whether a backward launch of `plan` holds dscale/dbias in registers:
+// where the two of them in shared memory leave the SM one block anyway
+// (LayerNorm bf16 4096x8192 88 -> 78 us, 8192x12288 208 -> 181 on an H200,
+// benchmarks/NOTES.md, v21). Only plain launches (neither the fused add's nor
+// a zero-centered scale's), which spares the build two kernels a type.
 template <typename X, typename G, typename W, int VEC>
-RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
+bool bwd_acc_in_regs(const RowPlan& plan, int64_t hidden, int regions, bool plain) {
+  return may_hold_acc_in_regs<X, G, VEC>() && plain && plan.threads() <= kAccRegsThreads &&
+         bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
+}
+
+// Backward rows: the element-wise plan; else 4 vectors a thread (the ring
+// stages no more, and 8 held in registers spilled), with as many rows per
+// block as keep two blocks on an SM, or the long path when a row does not
+// fit. Where the rows a block would take hold their accumulators in registers
+// (bwd_acc_in_regs), the block keeps them: one block of 256 threads an SM
+// beat three of 128 with the accumulators in shared memory (LayerNorm bf16
+// 16384x4096 135 -> 127 us, v32).
+template <typename X, typename G, typename W, int VEC>
+RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
                       const DeviceInfo& dev) {
   const int sms = dev.sms;
   const int64_t nvec = hidden / VEC;
@@ -1221,7 +1236,8 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, bool has_scale, int regions,
   // The sizes without a staged scale (plan_bwd stages it where that costs
   // the SM no block).
   while (p.rows_per_block > 1 &&
-         bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem) {
+         bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem &&
+         !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
     p.rows_per_block /= 2;
     p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
   }
@@ -1240,14 +1256,7 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   if (plan.nv == 0) {
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
-    // Where the accumulators in shared memory leave the SM one block anyway,
-    // registers hold them: LayerNorm bf16 4096x8192 88 -> 78 us, 8192x12288
-    // 208 -> 181 on an H200 (benchmarks/NOTES.md, v21). Only plain launches
-    // (neither the fused add's nor a zero-centered scale's), which spares the
-    // build two kernels a type.
-    const bool acc_in_regs =
-        may_hold_acc_in_regs<X, G, VEC>() && plain && plan.threads() <= kAccRegsThreads &&
-        bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
+    const bool acc_in_regs = bwd_acc_in_regs<X, G, W, VEC>(plan, hidden, regions, plain);
     l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs);
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
