@@ -1224,7 +1224,8 @@ bool bwd_acc_in_regs(const RowPlan& plan, int64_t hidden, int regions, bool plai
 // (bwd_acc_in_regs), the block keeps them, and takes as many rows as
 // kAccRegsThreads allows while every SM still gets a group: one block of 384
 // threads an SM beat three of 128 with the accumulators in shared memory
-// (LayerNorm bf16 16384x4096 135 -> 109 us, 131072x512 140 -> 116, v32).
+// (LayerNorm bf16 16384x4096 134 -> 109 us, 131072x512 140 -> 116, computing
+// the statistics; benchmarks/NOTES.md v32).
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
                       const DeviceInfo& dev) {
