@@ -386,21 +386,20 @@ struct RowThread {
 // ----------------------------------------------------------------- forward
 
 // The mean (0 for RMSNorm) and rstd of a row whose thread holds NV vectors of
-// it, vec(i) the i-th (vector lane + i * tpr of the row when that is below
-// nvec, zeros past the end). sum(v, k) sums v over the row's threads, k = 0
-// for the mean, 1 for the variance; every thread must call row_stats.
-template <typename A, int VEC, int NV, typename Vec, typename Sum>
-__device__ __forceinline__ void row_stats_of(Vec&& vec, int lane, int tpr, int64_t nvec,
-                                             bool centered, A epsilon, A inv_n, A& mean,
-                                             A& rstd, Sum&& sum) {
+// it in xv (vector lane + i * tpr of the row when that is below nvec, zeros
+// past the end). sum(v, k) sums v over the row's threads, k = 0 for the mean,
+// 1 for the variance; every thread must call row_stats.
+template <typename A, int VEC, int NV, typename T, typename Sum>
+__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
+                                          int64_t nvec, bool centered, A epsilon, A inv_n,
+                                          A& mean, A& rstd, Sum&& sum) {
   mean = 0;
   if (centered) {
     A s[1] = {0};
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const auto& v = vec(i);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) s[0] += v.get(e);
+      for (int e = 0; e < VEC; ++e) s[0] += xv[i].get(e);
     }
     sum(s, 0);
     mean = s[0] * inv_n;
@@ -409,21 +408,11 @@ __device__ __forceinline__ void row_stats_of(Vec&& vec, int lane, int tpr, int64
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     if (lane + int64_t(i) * tpr >= nvec) continue;
-    const auto& v = vec(i);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) ss[0] += (v.get(e) - mean) * (v.get(e) - mean);
+    for (int e = 0; e < VEC; ++e) ss[0] += (xv[i].get(e) - mean) * (xv[i].get(e) - mean);
   }
   sum(ss, 1);
   rstd = rsqrt_acc(ss[0] * inv_n + epsilon);
-}
-
-// row_stats_of a row held in registers, xv.
-template <typename A, int VEC, int NV, typename T, typename Sum>
-__device__ __forceinline__ void row_stats(const RegVec<T, VEC> (&xv)[NV], int lane, int tpr,
-                                          int64_t nvec, bool centered, A epsilon, A inv_n,
-                                          A& mean, A& rstd, Sum&& sum) {
-  row_stats_of<A, VEC, NV>([&](int i) -> const RegVec<T, VEC>& { return xv[i]; }, lane, tpr,
-                           nvec, centered, epsilon, inv_n, mean, rstd, sum);
 }
 
 template <typename X, typename Y, typename W, int VEC, int NV>
