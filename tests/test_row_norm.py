@@ -253,9 +253,10 @@ PLAN_CASES = [
     ((550, 8196), jnp.float32, jnp.float32),
     ((40, 4100), jnp.float64, jnp.float32),
     ((600, 2048), jnp.bfloat16, jnp.bfloat16),
-    # the backward's dscale/dbias in registers (LayerNorm), rows a whole
-    # number of a block's vectors or not; several rows a block (12 of 1024,
-    # the last block's group five rows; 1100x4096 above takes 3 of 4096)
+    # the backward's dscale/dbias in registers (LayerNorm; RMSNorm too where
+    # a block takes several rows), rows a whole number of a block's vectors
+    # or not; several rows a block (12 of 1024, the last block's group five
+    # rows; 1100x4096 above takes 3 of 4096)
     ((600, 8192), jnp.bfloat16, jnp.bfloat16),
     ((2201, 1024), jnp.float16, jnp.float32),
     ((560, 7176), jnp.float16, jnp.float32),
@@ -457,9 +458,9 @@ def test_rows_keep_their_bits_in_any_batch(op, hidden, dtype):
 
 
 # On a GPU: partial rows of the persistent kernel (4096x512, and 600x8192 with
-# the scale read from global memory; 2200x1024, LayerNorm's in registers for
-# 12 rows a block), the column plan (100x512), a cluster of blocks a row
-# (600x32768).
+# the scale read from global memory; 2200x1024, the accumulators in
+# registers for 12 rows a block), the column plan (100x512), a cluster of
+# blocks a row (600x32768).
 @pytest.mark.parametrize("op", [*OPS, "add_rms_norm"])
 @pytest.mark.parametrize("shape,dtype", [((4096, 512), jnp.float32), ((100, 512), jnp.float32),
                                          ((600, 8192), jnp.bfloat16),

@@ -1209,12 +1209,13 @@ bool bwd_acc_in_regs(const RowPlan& plan, int64_t hidden, int regions, bool plai
 // Backward rows: the element-wise plan; else 4 vectors a thread (the ring
 // stages no more, and 8 held in registers spilled), with as many rows per
 // block as keep two blocks on an SM, or the long path when a row does not
-// fit. Where the rows a block would take hold their accumulators in registers
-// (bwd_acc_in_regs), the block keeps them, and takes as many rows as
-// kAccRegsThreads allows while every SM still gets a group: one block of 384
-// threads an SM beat three of 128 with the accumulators in shared memory
-// (LayerNorm bf16 16384x4096 134 -> 109 us, 131072x512 140 -> 116, computing
-// the statistics; benchmarks/NOTES.md v32).
+// fit. A block that holds its accumulators in registers (bwd_acc_in_regs)
+// runs alone on its SM; where that serves, it takes as many rows as
+// kAccRegsThreads allows while every SM still gets a group of them. On an
+// H200 (bf16, computing the statistics, benchmarks/NOTES.md v32) one block
+// of 384 threads beat two or three smaller ones with their accumulators in
+// shared memory: LayerNorm 16384x4096 134 -> 109 us, 131072x512 140 -> 116;
+// RMSNorm 16384x4096 109 -> 102, 32768x2048 110 -> 104.
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
                       const DeviceInfo& dev) {
@@ -1224,22 +1225,23 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
       : nvec > kMaxBwdNv * kMaxRowThreads ? plan_bwd_split(rows, nvec, dev)
       : plan_with_nv(rows, nvec, kMaxBwdNv, sms);
   if (p.nv == 0) return p;
-  // The sizes without a staged scale (plan_bwd stages it where that costs
-  // the SM no block).
-  while (p.rows_per_block > 1 &&
-         bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem &&
-         !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
-    p.rows_per_block /= 2;
-    p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
+  RowPlan wide = p;  // (a cluster's blocks take one row)
+  if (p.parts == 1 && kAccRegsThreads / p.tpr > p.rows_per_block) {
+    wide.rows_per_block = kAccRegsThreads / p.tpr;
   }
-  const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain);
-  if (in_regs) {
-    const int widest = kAccRegsThreads / p.tpr;
-    if (widest > p.rows_per_block && (rows + widest - 1) / widest >= sms) {
-      p.rows_per_block = widest;
-      p.groups = (rows + widest - 1) / widest;
+  wide.groups = (rows + wide.rows_per_block - 1) / wide.rows_per_block;
+  if (wide.groups >= sms && bwd_acc_in_regs<X, G, W, VEC>(wide, hidden, regions, plain)) {
+    p = wide;
+  } else {
+    // The sizes without a staged scale (plan_bwd stages it where that costs
+    // the SM no block).
+    while (p.rows_per_block > 1 &&
+           bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem) {
+      p.rows_per_block /= 2;
+      p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
     }
   }
+  const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain);
   if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
