@@ -7,7 +7,8 @@
 // The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
 // limits the run to those shapes; PROBE=1 launches each plan three times
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
-// backward; NO_CHECK=1 the checks against the host reference.
+// backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
+// adds the planned backward at those threads a row x rows a block.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -355,6 +356,20 @@ int main(int argc, char** argv) {
       const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
       time_bwd(bwd_plan.parts > 1 ? "so*" : " o*", bwd_plan.tpr, bwd_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+      // TPR=352x1,192x2: the same launch with other threads a row and rows a
+      // block (whole warps; a thread's vectors past the row's end masked).
+      for (const char* t = std::getenv("TPR"); bwd_plan.parts == 1 && t && *t;) {
+        RowPlan q = bwd_plan;
+        char* end = nullptr;
+        q.tpr = int(std::strtol(t, &end, 10));
+        q.rows_per_block = *end == 'x' ? int(std::strtol(end + 1, &end, 10)) : 1;
+        t = *end == ',' ? end + 1 : end;
+        if (q.tpr % 32 || int64_t(q.tpr) * kMaxBwdNv < nvec) continue;
+        q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
+        const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
+        time_bwd(" o=", q.tpr, q.rows_per_block, lq.grid, lq.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+      }
     }
     // Rows over 2048 vectors: the backward's cluster split as planned (s*,
     // its grid the resident clusters cudaOccupancyMaxActiveClusters reports,
