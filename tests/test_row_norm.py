@@ -219,10 +219,11 @@ def check_grads64(op, x, scale, bias, dy, ndim=1, tol_scale=1.0):
 # one block a row at 1024-32768 wide (4 vectors a thread with y, 8 for
 # statistics only; with y, 8 at 32768), at 65536 a cluster of 4 blocks a
 # row; the backward of rows over 2048 vectors in
-# clusters of 4 or 8 blocks, each a slice of the row (32768 and 65536 bf16),
-# slices of unequal length (16392 bf16 and 8196 float32: 2049 vectors, 4
-# slices); float32 parameters of float64 rows too long for 4 vectors a thread
-# (8 bytes a vector through shared memory); short rows several to a block
+# clusters of 2-8 blocks, each a slice of the row (LayerNorm bf16: 3 at 32768,
+# 8 at 65536; RMSNorm: 4 and 8), slices of unequal length (16392 bf16: 2049
+# vectors, LayerNorm 2 slices, RMSNorm 4; 8196 float32); float32 parameters
+# of float64 rows too long for 4 vectors a thread (8 bytes a vector through
+# shared memory); short rows several to a block
 # (statistics of 1024-wide rows); statistics of 2048-wide rows (the generic
 # 8-vector plan); parameters of another dtype, staged in shared memory (bf16
 # x, f32 scale) or not (f32 x, bf16 scale, rows not whole 16-byte chunks of
@@ -265,7 +266,9 @@ PLAN_CASES = [
     # reach. The forward of rows of 4097-8192 vectors on sm_90: a cluster of 4
     # blocks a row (9, 40 and 140 rows, 3 float32 rows of 5000 vectors) or 2
     # (50 rows, the slices 2561 and 2560 vectors; 100 rows); one block a row
-    # without clusters
+    # without clusters. LayerNorm's backward of 50 and 100 bf16 rows in
+    # clusters of 4 blocks of up to 384 threads, not 8 (the last slice 1150
+    # of 1153 vectors at 36872)
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
     ((40, 49160), jnp.float16, jnp.float16),
     ((3, 20000), jnp.float32, jnp.float32),

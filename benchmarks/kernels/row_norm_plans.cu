@@ -4,11 +4,13 @@
 // output against a float64 host reference on sampled rows. Two copy kernels
 // give the ceilings: a grid-stride copy, and one that loads 8 vectors a thread
 // before storing them (the forward's pattern without the arithmetic).
-// The one-block-a-row kernels (row_norm_block.cuh) are marked f. SHAPES=16384x4096,64x4096
-// limits the run to those shapes; PROBE=1 launches each plan three times
+// The one-block-a-row kernels (row_norm_block.cuh) are marked f.
+// SHAPES=16384x4096,64x4096 runs those shapes (any) instead of the list in
+// main(); PROBE=1 launches each plan three times
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
-// adds the planned backward at those threads a row x rows a block.
+// adds the planned backward at those threads a row x rows a block, PARTS=3,6
+// split over clusters of those many blocks a row.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -218,22 +220,27 @@ double check(const Case& c, const std::vector<float>& x, const std::vector<float
 }
 
 int main(int argc, char** argv) {
+  // SHAPES=64x4096,1x4096 runs those shapes alone (any), else this list.
+  std::vector<std::pair<int64_t, int64_t>> shapes;
+  for (const char* t = std::getenv("SHAPES"); t && *t;) {
+    char* end = nullptr;
+    const int64_t r = std::strtoll(t, &end, 10);
+    const int64_t h = *end == 'x' ? std::strtoll(end + 1, &end, 10) : 0;
+    if (r > 0 && h > 0) shapes.push_back({r, h});
+    t = *end == ',' ? end + 1 : end;
+  }
+  if (shapes.empty()) {
+    shapes = {{16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
+              {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 65536}, {128, 65536},
+              {64, 65536}, {34, 65536}, {33, 65536}, {8, 65536}, {1, 65536},
+              {16384, 8192}, {2048, 8192}, {32768, 2048}, {131072, 512}, {2048, 4096},
+              {512, 4096}, {256, 4096},
+              {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
+              {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}};
+  }
   std::vector<Case> cases;
   for (bool centered : {false, true}) {
-    for (auto [r, h] : std::vector<std::pair<int64_t, int64_t>>{
-             {16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
-             {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 65536}, {128, 65536},
-             {64, 65536}, {34, 65536}, {33, 65536}, {8, 65536}, {1, 65536},
-             {16384, 8192}, {2048, 8192}, {32768, 2048}, {131072, 512}, {2048, 4096},
-             {512, 4096}, {256, 4096},
-             {128, 4096}, {64, 4096}, {32, 4096}, {16, 4096}, {8, 4096}, {2, 4096},
-             {1, 4096}, {256, 8192}, {64, 8192}, {8, 8192}, {1, 8192}}) {
-      char name[32];
-      std::snprintf(name, sizeof name, ",%ldx%ld,", long(r), long(h));
-      const char* only = std::getenv("SHAPES");  // e.g. "64x4096,1x4096"
-      if (only && !std::strstr((std::string(",") + only + ",").c_str(), name)) continue;
-      cases.push_back({r, h, centered});
-    }
+    for (auto [r, h] : shapes) cases.push_back({r, h, centered});
   }
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
@@ -368,6 +375,26 @@ int main(int argc, char** argv) {
         q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
         time_bwd(" o=", q.tpr, q.rows_per_block, lq.grid, lq.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+      }
+      // PARTS=3,6: the same, split over clusters of that many blocks, a
+      // slice of the row each at 4 vectors a thread (o3, o6).
+      for (const char* t = std::getenv("PARTS"); info.clusters && t && *t;) {
+        RowPlan q = bwd_plan;
+        char* end = nullptr;
+        q.parts = int(std::strtol(t, &end, 10));
+        t = *end == ',' ? end + 1 : end;
+        q.nv = kMaxBwdNv;
+        q.rows_per_block = 1;
+        q.groups = c.rows;
+        q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
+        if (q.parts < 2 || q.parts > kMaxClusterParts || q.tpr <= 32 || q.tpr > kAccRegsThreads) {
+          continue;
+        }
+        const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
+        char name[16];
+        std::snprintf(name, sizeof name, " o%d", q.parts);
+        time_bwd(name, q.tpr, 1, lq.grid, lq.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
       }
     }

@@ -34,11 +34,10 @@ constexpr int kMaxNv = 8;            // vectors per thread, register path
 constexpr int kMaxBwdNv = 4;         // (the backward holds x and dy)
 constexpr size_t kTwoBlocksSmem = 110 * 1024;  // two blocks per SM still fit
 // Blocks of the backward that hold dscale/dbias in registers (bwd_regs) have
-// at most this many threads (12288 bf16 a row), so that ptxas may give them
-// 168 registers; a cluster's slices have at most kMaxSliceThreads, which
-// allows 255.
+// at most this many threads (12288 bf16 a row, or a cluster's slice of a
+// longer one), so that ptxas may give them 168 registers.
 constexpr int kAccRegsThreads = 384;
-constexpr int kMaxSliceThreads = 256;  // the backward's cluster split
+constexpr int kMaxSliceThreads = 256;  // the backward's cluster split, first plan
 // Scale and bias are staged in shared memory up to this size.
 constexpr size_t kMaxStagedParams = 32 * 1024;
 
@@ -713,16 +712,15 @@ constexpr bool bwd_scale_in_regs() {
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
 // so that the other launches keep their registers.
 // kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
-// LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's 8K slices of
-// them), where the two shared accumulators left the SM one block (plan_bwd).
+// LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's slices of
+// longer ones), where the two shared accumulators left the SM one block
+// (plan_bwd).
 // At least one block an SM: the bound lets ptxas take up to 128 registers
 // (more with kAccInRegs), where by itself it gave some instantiations 64 and
 // spilled (float32 with a cluster a row: 16 bytes).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
           bool kAccInRegs>
-__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads
-                                  : kSplit    ? kMaxSliceThreads
-                                              : kAccRegsThreads, 1)
+__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads, 1)
     bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
@@ -1178,7 +1176,7 @@ void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs))(BwdArgs) {
 // Rows too long for a block: a cluster of blocks a row (sm_90), each a slice
 // of at most 1024 vectors (8192 bf16: with the scale unstaged, two blocks an
 // SM, v14), up to 8 blocks of 2048 vectors; beyond, or without clusters, the
-// long path.
+// long path. fewer_parts may then take bigger slices.
 inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev) {
   RowPlan p = plan_with_nv(rows, nvec, 0, dev.sms);
   if (!dev.clusters) return p;
@@ -1204,48 +1202,6 @@ template <typename X, typename G, typename W, int VEC>
 bool bwd_acc_in_regs(const RowPlan& plan, int64_t hidden, int regions, bool plain) {
   return may_hold_acc_in_regs<X, G, VEC>() && plain && plan.threads() <= kAccRegsThreads &&
          bwd_smem_bytes<X, G, W, VEC>(plan, hidden, false, regions) > kTwoBlocksSmem;
-}
-
-// Backward rows: the element-wise plan; else 4 vectors a thread (the ring
-// stages no more, and 8 held in registers spilled), with as many rows per
-// block as keep two blocks on an SM, or the long path when a row does not
-// fit. A block that holds its accumulators in registers (bwd_acc_in_regs)
-// runs alone on its SM; where that serves, it takes as many rows as
-// kAccRegsThreads allows while every SM still gets a group of them. On an
-// H200 (bf16, computing the statistics, benchmarks/NOTES.md v32) one block
-// of 384 threads beat two or three smaller ones with their accumulators in
-// shared memory: LayerNorm 16384x4096 134 -> 109 us, 131072x512 140 -> 116;
-// RMSNorm 16384x4096 109 -> 102, 32768x2048 110 -> 104.
-template <typename X, typename G, typename W, int VEC>
-RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
-                      const DeviceInfo& dev) {
-  const int sms = dev.sms;
-  const int64_t nvec = hidden / VEC;
-  RowPlan p = VEC == 1 ? elementwise_plan(rows, nvec, sms)
-      : nvec > kMaxBwdNv * kMaxRowThreads ? plan_bwd_split(rows, nvec, dev)
-      : plan_with_nv(rows, nvec, kMaxBwdNv, sms);
-  if (p.nv == 0) return p;
-  RowPlan wide = p;  // (a cluster's blocks take one row)
-  if (p.parts == 1 && kAccRegsThreads / p.tpr > p.rows_per_block) {
-    wide.rows_per_block = kAccRegsThreads / p.tpr;
-  }
-  wide.groups = (rows + wide.rows_per_block - 1) / wide.rows_per_block;
-  if (wide.groups >= sms && bwd_acc_in_regs<X, G, W, VEC>(wide, hidden, regions, plain)) {
-    p = wide;
-  } else {
-    // The sizes without a staged scale (plan_bwd stages it where that costs
-    // the SM no block).
-    while (p.rows_per_block > 1 &&
-           bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem) {
-      p.rows_per_block /= 2;
-      p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
-    }
-  }
-  const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain);
-  if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
-    return plan_with_nv(rows, nvec, 0, sms);
-  }
-  return p;
 }
 
 template <typename X, typename G, typename W, int VEC>
@@ -1278,6 +1234,78 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.grid = grid_size(plan.groups, int64_t(per_sm) * dev.sms);
   }
   return l;
+}
+
+// LayerNorm's cluster split (two accumulators): the fewest blocks a row of up
+// to kAccRegsThreads threads, one an SM with dscale/dbias in registers, where
+// the clusters resident at once still cover 7/8 of the SMs. On an H200
+// (bf16, computing the statistics, benchmarks/NOTES.md v35), against 2-8
+// smaller blocks, two an SM with the accumulators in shared memory or one
+// with them in registers: 2048x16392 110 -> 93 us (2 blocks a row, not 4),
+// 2048x24576 122 -> 103 (2, not 4), 2048x32768 169 -> 158 (3, not 4),
+// 1024x49152 133 -> 118 (4, not 8); at 65536 wide 6 blocks a row cover 102
+// SMs and lost 10% to 8. RMSNorm's one accumulator in shared memory kept its
+// split faster at 16392, 20480 and 32768 wide.
+template <typename X, typename G, typename W, int VEC>
+RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
+                    const DeviceInfo& dev) {
+  if (regions < 2) return p;
+  const int64_t nvec = hidden / VEC;
+  for (int parts = 2; parts < p.parts; ++parts) {
+    RowPlan q = p;
+    q.parts = parts;
+    q.tpr = threads_per_row((nvec + parts - 1) / parts, kMaxBwdNv);
+    if (q.tpr > kAccRegsThreads || !bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain) ||
+        bwd_smem_bytes<X, G, W, VEC>(q, hidden, false, regions, true) > dev.max_dynamic_smem) {
+      continue;
+    }
+    const int blocks = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev).grid;
+    if (8 * int64_t(blocks) >= 7 * int64_t(dev.sms)) return q;
+  }
+  return p;
+}
+
+// Backward rows: the element-wise plan; else 4 vectors a thread (the ring
+// stages no more, and 8 held in registers spilled), with as many rows per
+// block as keep two blocks on an SM, or the long path when a row does not
+// fit. A block that holds its accumulators in registers (bwd_acc_in_regs)
+// runs alone on its SM; where that serves, it takes as many rows as
+// kAccRegsThreads allows while every SM still gets a group of them. On an
+// H200 (bf16, computing the statistics, benchmarks/NOTES.md v32) one block
+// of 384 threads beat two or three smaller ones with their accumulators in
+// shared memory: LayerNorm 16384x4096 134 -> 109 us, 131072x512 140 -> 116;
+// RMSNorm 16384x4096 109 -> 102, 32768x2048 110 -> 104.
+template <typename X, typename G, typename W, int VEC>
+RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
+                      const DeviceInfo& dev) {
+  const int sms = dev.sms;
+  const int64_t nvec = hidden / VEC;
+  RowPlan p = VEC == 1 ? elementwise_plan(rows, nvec, sms)
+      : nvec > kMaxBwdNv * kMaxRowThreads ? plan_bwd_split(rows, nvec, dev)
+      : plan_with_nv(rows, nvec, kMaxBwdNv, sms);
+  if (p.nv == 0) return p;
+  if (p.parts > 1) p = fewer_parts<X, G, W, VEC>(p, hidden, regions, plain, dev);
+  RowPlan wide = p;  // (a cluster's blocks take one row)
+  if (p.parts == 1 && kAccRegsThreads / p.tpr > p.rows_per_block) {
+    wide.rows_per_block = kAccRegsThreads / p.tpr;
+  }
+  wide.groups = (rows + wide.rows_per_block - 1) / wide.rows_per_block;
+  if (wide.groups >= sms && bwd_acc_in_regs<X, G, W, VEC>(wide, hidden, regions, plain)) {
+    p = wide;
+  } else {
+    // The sizes without a staged scale (plan_bwd stages it where that costs
+    // the SM no block).
+    while (p.rows_per_block > 1 &&
+           bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions) > kTwoBlocksSmem) {
+      p.rows_per_block /= 2;
+      p.groups = (rows + p.rows_per_block - 1) / p.rows_per_block;
+    }
+  }
+  const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain);
+  if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
+    return plan_with_nv(rows, nvec, 0, sms);
+  }
+  return p;
 }
 
 // Runs the backward with `a.partial` pointing at partial_bytes() of scratch.
