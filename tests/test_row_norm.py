@@ -268,7 +268,8 @@ PLAN_CASES = [
     # (50 rows, the slices 2561 and 2560 vectors; 100 rows); one block a row
     # without clusters. LayerNorm's backward of 50 and 100 bf16 rows in
     # clusters of 4 blocks of up to 384 threads, not 8 (the last slice 1150
-    # of 1153 vectors at 36872)
+    # of 1153 vectors at 36872); of 24576 bf16 in 2 blocks of 384 threads
+    # (the kernel's bound), not 4
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
     ((40, 49160), jnp.float16, jnp.float16),
     ((3, 20000), jnp.float32, jnp.float32),
@@ -277,6 +278,7 @@ PLAN_CASES = [
     ((140, 49160), jnp.float16, jnp.float16),
     ((5, 131080), jnp.bfloat16, jnp.float32),
     ((3, 32772), jnp.float64, jnp.float64),
+    ((530, 24576), jnp.bfloat16, jnp.bfloat16),
 ]
 
 

@@ -21,7 +21,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <string>
 #include <vector>
 
 #include "cuda/row_norm_block.cuh"
@@ -219,16 +218,25 @@ double check(const Case& c, const std::vector<float>& x, const std::vector<float
   return err;
 }
 
+// The items "AxB" (or "A", B then `b`) of the comma-separated list in the
+// environment variable `name`, up to the first that is not one.
+std::vector<std::pair<int64_t, int64_t>> env_pairs(const char* name, int64_t b) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const char* t = std::getenv(name); t && *t; ++t) {
+    char* end = nullptr;
+    const int64_t a = std::strtoll(t, &end, 10);
+    const int64_t second = *end == 'x' ? std::strtoll(end + 1, &end, 10) : b;
+    if (end == t || a <= 0 || second <= 0) break;
+    out.push_back({a, second});
+    t = end;
+    if (*t != ',') break;
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
   // SHAPES=64x4096,1x4096 runs those shapes alone (any), else this list.
-  std::vector<std::pair<int64_t, int64_t>> shapes;
-  for (const char* t = std::getenv("SHAPES"); t && *t;) {
-    char* end = nullptr;
-    const int64_t r = std::strtoll(t, &end, 10);
-    const int64_t h = *end == 'x' ? std::strtoll(end + 1, &end, 10) : 0;
-    if (r > 0 && h > 0) shapes.push_back({r, h});
-    t = *end == ',' ? end + 1 : end;
-  }
+  std::vector<std::pair<int64_t, int64_t>> shapes = env_pairs("SHAPES", 0);
   if (shapes.empty()) {
     shapes = {{16384, 4096}, {4096, 8192}, {65536, 1024}, {8192, 12288},
               {2048, 32768}, {512, 65536}, {1024, 65536}, {256, 65536}, {128, 65536},
@@ -363,39 +371,36 @@ int main(int argc, char** argv) {
       const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
       time_bwd(bwd_plan.parts > 1 ? "so*" : " o*", bwd_plan.tpr, bwd_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+      auto time_own = [&](const char* name, const RowPlan& q) {
+        const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
+        time_bwd(name, q.tpr, q.rows_per_block, lq.grid, lq.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+      };
       // TPR=352x1,192x2: the same launch with other threads a row and rows a
       // block (whole warps; a thread's vectors past the row's end masked).
-      for (const char* t = std::getenv("TPR"); bwd_plan.parts == 1 && t && *t;) {
+      for (auto [tpr, rpb] : env_pairs("TPR", 1)) {
         RowPlan q = bwd_plan;
-        char* end = nullptr;
-        q.tpr = int(std::strtol(t, &end, 10));
-        q.rows_per_block = *end == 'x' ? int(std::strtol(end + 1, &end, 10)) : 1;
-        t = *end == ',' ? end + 1 : end;
-        if (q.tpr % 32 || int64_t(q.tpr) * kMaxBwdNv < nvec) continue;
+        q.tpr = int(tpr);
+        q.rows_per_block = int(rpb);
         q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
-        const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
-        time_bwd(" o=", q.tpr, q.rows_per_block, lq.grid, lq.smem,
-                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+        if (q.parts == 1 && q.tpr % 32 == 0 && int64_t(q.tpr) * kMaxBwdNv >= nvec) {
+          time_own(" o=", q);
+        }
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
       // slice of the row each at 4 vectors a thread (o3, o6).
-      for (const char* t = std::getenv("PARTS"); info.clusters && t && *t;) {
+      for (const auto& item : env_pairs("PARTS", 1)) {
         RowPlan q = bwd_plan;
-        char* end = nullptr;
-        q.parts = int(std::strtol(t, &end, 10));
-        t = *end == ',' ? end + 1 : end;
-        q.nv = kMaxBwdNv;
+        q.parts = int(item.first);
         q.rows_per_block = 1;
         q.groups = c.rows;
         q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
-        if (q.parts < 2 || q.parts > kMaxClusterParts || q.tpr <= 32 || q.tpr > kAccRegsThreads) {
-          continue;
+        if (info.clusters && q.parts >= 2 && q.parts <= kMaxClusterParts && q.tpr > 32 &&
+            q.tpr <= kAccRegsThreads) {
+          char name[16];
+          std::snprintf(name, sizeof name, " o%d", q.parts);
+          time_own(name, q);
         }
-        const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
-        char name[16];
-        std::snprintf(name, sizeof name, " o%d", q.parts);
-        time_bwd(name, q.tpr, 1, lq.grid, lq.smem,
-                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
       }
     }
     // Rows over 2048 vectors: the backward's cluster split as planned (s*,
