@@ -615,6 +615,51 @@ __device__ __forceinline__ void row_dx_terms(const A (&s)[row_dot_count(kMode)],
   }
 }
 
+// The backward's arithmetic, in a long form and (kLean) a short one. The
+// cluster split's kernels, with few warps an SM, are short of issue slots,
+// and the short form took RMSNorm's 2048x32768 backward from 121 to 114 us
+// and 512x65536's from 68 to 65 (H200, benchmarks/NOTES.md v37). The other
+// kernels, at 86-100% of copy, measured 2-11% slower with it for RMSNorm (and
+// LayerNorm 65536x1024 5%; as with v20's cuts) and keep the long form.
+//
+// What a pass knows of xhat = (x - mean) * rstd: all of it (the saved
+// statistics, or the second pass), or, in a first pass that computes them,
+// x - shift (LayerNorm, rstd still 1) or x (RMSNorm), which saves the short
+// form a multiply by 1 and a subtraction of 0 an element.
+enum class Xhat { kScaled, kShifted, kRaw };
+
+constexpr Xhat first_pass_xhat(RowDots mode, bool lean) {
+  return !lean || mode == RowDots::kSaved ? Xhat::kScaled
+         : mode == RowDots::kOwnLn       ? Xhat::kShifted
+                                         : Xhat::kRaw;
+}
+
+// xhat of one element of x. The short form for 16-bit x is one FMA (mean *
+// rstd is computed once a row): x * rstd is exact in it, and the rounding of
+// mean * rstd, an error of |mean| * rstd * 2^-24, stays under 16-bit precision
+// while the mean is within 2^12 standard deviations of 0. Wider x keeps the
+// subtraction first, which is exact where x is near the mean.
+template <Xhat kForm, bool kLean, typename X, typename A>
+__device__ __forceinline__ A xhat_of(A x, A mean, A rstd) {
+  if constexpr (kForm == Xhat::kRaw) {
+    return x;
+  } else if constexpr (kForm == Xhat::kShifted) {
+    return x - mean;
+  } else if constexpr (kLean && sizeof(X) == 2) {
+    return x * rstd - mean * rstd;
+  } else {
+    return (x - mean) * rstd;
+  }
+}
+
+// dx = rstd * (g - c_g - xhat * c_gx); the short form is two FMAs, with
+// -rstd * c_gx and -rstd * c_g computed once a row.
+template <bool kLean, typename A>
+__device__ __forceinline__ A dx_of(A g, A xh, A rstd, A c_g, A c_gx) {
+  if constexpr (kLean) return g * rstd + (xh * (-rstd * c_gx) + (-rstd * c_g));
+  return rstd * (g - c_g - xh * c_gx);
+}
+
 // acc[j] += v, chunk by chunk.
 template <typename A, int VEC>
 __device__ __forceinline__ void accumulate(typename AccLayout<A, VEC>::Chunk* acc,
@@ -710,7 +755,8 @@ constexpr bool bwd_scale_in_regs() {
 // kernel executed 8% more instructions and took 9-13% longer than without
 // (benchmarks/NOTES.md, v13).
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
-// so that the other launches keep their registers.
+// so that the other launches keep their registers; it takes the short
+// arithmetic (xhat_of).
 // kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
 // LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's slices of
 // longer ones), where the two shared accumulators left the SM one block
@@ -848,8 +894,9 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       }
     }
     if (!kReread && a.stage_params) __syncthreads();  // every thread's scale copies
-    // xhat and g = dy * scale for vector i.
-    auto xhat_g = [&](int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
+    // xhat (as far as kForm knows it) and g = dy * scale for vector i.
+    auto xhat_g = [&](auto form, int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
+      constexpr Xhat kForm = decltype(form)::value;
       A w[VEC];
       unpack(xh, x_at(i));
       unpack(d, dy_at(i));
@@ -860,7 +907,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        xh[e] = (xh[e] - mean) * rstd;
+        xh[e] = xhat_of<kForm, kSplit, X>(xh[e], mean, rstd);
         if constexpr (kReread) {
           g[e] = d[e] * (kPlain ? w[e] : w[e] + scale_offset);
         } else {
@@ -895,7 +942,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       for (int i = 0; i < NV; ++i) {
         if (!in_row(i)) continue;
         A xh[VEC], d[VEC], g[VEC];
-        xhat_g(i, xh, d, g);
+        xhat_g(std::integral_constant<Xhat, first_pass_xhat(kMode, kSplit)>{}, i, xh, d, g);
         add_row_dots<kMode>(s, g, xh);
         if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
       }
@@ -930,9 +977,9 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       const int64_t c = t.lane + int64_t(i) * a.tpr;
       if (c >= t.nvec) continue;
       A xh[VEC], d[VEC], g[VEC], o[VEC];
-      xhat_g(i, xh, d, g);
+      xhat_g(std::integral_constant<Xhat, Xhat::kScaled>{}, i, xh, d, g);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+      for (int e = 0; e < VEC; ++e) o[e] = dx_of<kSplit>(g[e], xh[e], rstd, c_g, c_gx);
       if (!has_stats) accumulate_params(i, d, xh);
       if constexpr (!kPlain) dres[i].add_to(o, a);
       store_vec(dxr + c * VEC, o);
@@ -998,7 +1045,7 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
       load(base, c, mean, rstd, xh, d, g);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        o[e] = rstd * (g[e] - c_g - xh[e] * c_gx);
+        o[e] = dx_of<false>(g[e], xh[e], rstd, c_g, c_gx);
         if (a.has_scale) pw[c * VEC + e] += d[e] * xh[e];
         if (a.has_bias) pb[c * VEC + e] += d[e];
       }
