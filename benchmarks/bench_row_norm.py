@@ -14,6 +14,8 @@ bandwidth each implementation reaches (PNG, with matplotlib):
   python benchmarks/bench_row_norm.py --out DIR
 --ops and --shapes measure some cases only; --update then keeps the other
 cases' records from an earlier run's JSON in DIR (and says so in the table).
+--standing JSON prints an earlier run's standing against the bars (also at the
+end of the table) without measuring.
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ IMPLS = {
     "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm},
     "add_rms_norm": {"jaxnorm": jaxnorm.add_rms_norm, "xla": xla_add_rms_norm},
 }
+# The bars, percent of the measured copy bandwidth on the LARGE shapes.
+BARS = {("fwd", "rms_norm"): 90, ("fwd", "layer_norm"): 90, ("fwd", "add_rms_norm"): 90,
+        ("fwd+bwd", "rms_norm"): 85, ("fwd+bwd", "layer_norm"): 85}
 # bytes moved per element of x, at the least
 BYTES = {("fwd", False): 2, ("fwd+bwd", False): 3, ("fwd", True): 4, ("fwd+bwd", True): 5}
 
@@ -151,6 +156,34 @@ def table(records, copy):
     return lines
 
 
+def standing(records, copy):
+    """Markdown lines: jaxnorm's percent of copy on the large shapes against
+    the bars, and every case where a peer is faster."""
+    cases = {}
+    for r in records:
+        cases.setdefault((r["op"], r["pass"], tuple(r["shape"])), {})[r["impl"]] = r
+    lines = ["Against the bars (percent of copy on the large shapes):", ""]
+    for (pass_, op), bar in BARS.items():
+        got = [(shape, 100 * cases[op, pass_, shape]["jaxnorm"]["gbps"] / copy)
+               for shape in LARGE if "jaxnorm" in cases.get((op, pass_, shape), {})]
+        if not got:
+            continue
+        below = [f"{t}x{h}" for (t, h), pct in got if pct < bar]
+        lines.append(f"- {op} {pass_} (bar {bar}%): "
+                     + ", ".join(f"{pct:.0f}" for _, pct in got)
+                     + (f"; below: {', '.join(below)}" if below else "; all above"))
+    slower = []
+    for (op, pass_, shape), by_impl in cases.items():
+        ours = by_impl.get("jaxnorm")
+        losses = [f"{i} {r['us'] / ours['us']:.2f}" for i, r in by_impl.items()
+                  if ours and i != "jaxnorm" and r["us"] < ours["us"]]
+        if losses:
+            slower.append(f"{op} {pass_} {shape[0]}x{shape[1]} ({', '.join(losses)})")
+    lines += ["", "Faster than jaxnorm (their time over jaxnorm's below 1): "
+              + ("; ".join(slower) if slower else "none") + "."]
+    return lines
+
+
 def chart(records, copy, title, path):
     """Bandwidth reached per op, pass, shape and implementation, with the copy
     ceiling, as a PNG (skipped without matplotlib)."""
@@ -198,7 +231,14 @@ def main():
     ap.add_argument("--no-peers", action="store_true", help="jaxnorm and XLA only")
     ap.add_argument("--update", action="store_true",
                     help="keep the records of cases not measured now from DIR's JSON")
+    ap.add_argument("--standing", metavar="JSON",
+                    help="print the standing against the bars of an earlier run; measure nothing")
     args = ap.parse_args()
+    if args.standing:
+        with open(args.standing) as f:
+            earlier = json.load(f)
+        print("\n".join(standing(earlier["records"], earlier["meta"]["copy_gbps"])))
+        return
     dtype = jnp.dtype(args.dtype)
     shapes = None
     if args.shapes:
@@ -240,7 +280,7 @@ def main():
         "device kernel time (µs); vs X: X's time over jaxnorm's (above 1: jaxnorm faster).",
         *[f"Re-measured later ({u['date']}, copy {u['copy_gbps']:.0f} GB/s): ops "
           f"{', '.join(u['ops'])} at shapes {u['shapes']}." for u in meta.get("updated", [])],
-        "", meta["bytes"], "", *table(records, copy),
+        "", meta["bytes"], "", *table(records, copy), "", *standing(records, copy),
     ]
     write_results(args.out, "row_norm", device, meta, records, "\n".join(lines))
     chart(records, copy, title, stem + ".png")
