@@ -135,13 +135,19 @@ def measure(ops, shapes, dtype, peers):
     return records
 
 
+def _by_case(records):
+    """{(op, pass, shape): {impl: record}}, in the records' order."""
+    cases = {}
+    for r in records:
+        cases.setdefault((r["op"], r["pass"], tuple(r["shape"])), {})[r["impl"]] = r
+    return cases
+
+
 def table(records, copy):
     """The markdown table: one line per case, with jaxnorm's speed-up over
     each other implementation."""
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    cases = {}
-    for r in records:
-        cases.setdefault((r["op"], r["pass"], tuple(r["shape"])), {})[r["impl"]] = r
+    cases = _by_case(records)
     head = ["op", "pass", "shape", *[f"{i} µs" for i in impls], "jaxnorm % of copy",
             *[f"vs {i}" for i in impls if i != "jaxnorm"]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
@@ -159,9 +165,7 @@ def table(records, copy):
 def standing(records, copy):
     """Markdown lines: jaxnorm's percent of copy on the large shapes against
     the bars, and every case where a peer is faster."""
-    cases = {}
-    for r in records:
-        cases.setdefault((r["op"], r["pass"], tuple(r["shape"])), {})[r["impl"]] = r
+    cases = _by_case(records)
     lines = ["Against the bars (percent of copy on the large shapes):", ""]
     for (pass_, op), bar in BARS.items():
         got = [(shape, 100 * cases[op, pass_, shape]["jaxnorm"]["gbps"] / copy)
