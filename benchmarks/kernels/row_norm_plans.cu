@@ -526,7 +526,7 @@ int main(int argc, char** argv) {
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, kLongNv, kC, true, false>;
-          const size_t smem = fwd_block_smem<bf16, VEC, kLongNv, kC, true, false>(threads);
+          const size_t smem = fwd_block_smem<bf16, bf16, VEC, kLongNv, kC, true, false>(threads, false);
           CHECK(allow_dynamic_smem_once(kernel, smem, info));
           print_row("16r", time_us(s, [&] { kernel<<<c.rows, threads, smem, s>>>(a); }));
           return 0;
@@ -570,7 +570,7 @@ int main(int argc, char** argv) {
           a.write_y = kWriteY;
           if (residual) a.residual = res, a.new_residual = h;
           const unsigned grid = unsigned(c.rows * S);
-          const size_t smem = fwd_block_smem<bf16, VEC, NV, kC, kWriteY, kEarly>(threads);
+          const size_t smem = fwd_block_smem<bf16, bf16, VEC, NV, kC, kWriteY, kEarly>(threads, residual);
           CHECK(allow_dynamic_smem_once(kernel, smem, info));
           const float us = time_us(s, [&] { kernel<<<grid, threads, smem, s>>>(a); });
           const double bytes = (kWriteY ? 2.0 : 1.0) * n * 2 * (residual ? 2 : 1);

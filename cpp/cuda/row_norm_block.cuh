@@ -162,9 +162,11 @@ __device__ __forceinline__ void block_row_stats(const RegVec<X, VEC> (&xv)[NV],
 // with no other block on the SM to fill the wait (benchmarks/NOTES.md, v18).
 // So each thread copies its own vectors of them into shared memory (cp.async)
 // kSlots - 1 vectors ahead of their use: no registers, no barrier (no thread
-// reads another's cells). kTensors: 2 for scale and bias, else 1 (the scale,
-// or the residual alone). kBudget: bytes a thread, for up to 8 slots, at least
-// 2.
+// reads another's cells). The 4-vector forward copies its residual the same
+// way, all of it in flight with x: one vector at a time, the round trips
+// left its SM short of bytes in flight even with four blocks on it (v39).
+// kTensors: 2 for scale and bias, else 1 (the scale, or the residual alone).
+// kBudget: bytes a thread, for up to 8 slots, at least 2.
 template <typename W, int VEC, int kTensors, int kBudget = 128>
 struct LateLoads {
   static constexpr int kCell = int(sizeof(W)) * VEC;  // bytes of one vector
@@ -197,19 +199,22 @@ struct LateLoads {
   }
 };
 
-// The fused residual add (add_store) of the long-row forward, its residual
-// through `late`'s first cells.
-template <int VEC, int NV, typename X, int kVecs, typename Late>
+// The fused residual add (add_store) of fwd_block with 4 or more vectors a
+// thread, its residual through `late`'s first cells, up to 8 vectors in flight
+// with x. before_stores() runs once the copies are under way: loads placed
+// after the first store of h would wait for the residual to arrive.
+template <int VEC, int NV, typename X, int kVecs, typename Late, typename F>
 __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
                                                   int64_t row_start,
                                                   const RowSpan<kVecs, NV>& span,
-                                                  const Late& late) {
+                                                  const Late& late, F&& before_stores) {
   const X* res = static_cast<const X*>(a.residual) + row_start;
   X* out = static_cast<X*>(a.new_residual) + row_start;
   auto issue = [&](int slot, int64_t i) {
     if (i < NV && span.in(int(i))) late.issue(slot, 0, res + span.at(int(i)) * VEC);
   };
   Late::Stages::prime(issue, 0, 1);
+  before_stores();
 #pragma unroll
   for (int i = 0; i < NV; ++i) {
     Late::Stages::advance(i % Late::kSlots, i, 1, issue);
@@ -225,12 +230,26 @@ __device__ __forceinline__ void add_residual_late(RegVec<X, VEC> (&xv)[NV], cons
 template <typename W, int VEC, bool kCentered, bool kWriteY>
 using FwdLateLoads = LateLoads<W, VEC, kCentered && kWriteY ? 2 : 1, 128>;
 
+// Whether fwd_block loads scale and bias late (LateLoads): with y, 8 or more
+// vectors a thread, and not early.
+template <int NV, bool kWriteY, bool kEarlyParams>
+constexpr bool fwd_late_params() {
+  return kWriteY && !kEarlyParams && NV >= 8;
+}
+
+// The residual's LateLoads where the parameters have none: a cell for each
+// of up to 8 vectors of x a thread.
+template <typename X, int VEC, int NV>
+using ResidualLateLoads = LateLoads<X, VEC, 1, 16 * (NV < 8 ? NV : 8)>;
+
 // Dynamic shared memory of fwd_block: its LateLoads, where it has them.
-template <typename W, int VEC, int NV, bool kCentered, bool kWriteY, bool kEarlyParams>
-constexpr size_t fwd_block_smem(int threads) {
-  return kWriteY && !kEarlyParams && NV >= 8
-             ? FwdLateLoads<W, VEC, kCentered, true>::bytes(threads)
-             : 0;
+template <typename X, typename W, int VEC, int NV, bool kCentered, bool kWriteY,
+          bool kEarlyParams>
+constexpr size_t fwd_block_smem(int threads, bool residual) {
+  if (fwd_late_params<NV, kWriteY, kEarlyParams>()) {
+    return FwdLateLoads<W, VEC, kCentered, true>::bytes(threads);
+  }
+  return residual && NV >= 4 ? ResidualLateLoads<X, VEC, NV>::bytes(threads) : 0;
 }
 
 // Largest block of fwd_block: with y written, 4 or more vectors of x, scale
@@ -282,10 +301,13 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
   __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
   ClusterSum<A, 4> cluster(cluster_shared);
   if constexpr (kParts > 1) cluster.init();  // x in flight; before any cp.async
-  // LateLoads: the residual, and with y, scale and bias
-  constexpr bool kLateResidual = !kEarlyParams && NV >= 8;
-  constexpr bool kLate = kWriteY && kLateResidual;
+  // LateLoads: the residual, and with y and 8 or more vectors, scale and bias
+  // (the residual's cells then are theirs: its add is done before their
+  // first copy).
+  constexpr bool kLateResidual = NV >= 4;
+  constexpr bool kLate = fwd_late_params<NV, kWriteY, kEarlyParams>();
   using Late = FwdLateLoads<W, VEC, kCentered, kWriteY>;
+  using ResidualLate = std::conditional_t<kLate, Late, ResidualLateLoads<X, VEC, NV>>;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const Late late{dyn};
   auto issue_params = [&](int slot, int64_t i) {  // vector i's scale and bias, into slot
@@ -302,15 +324,21 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
     }
   };
   const bool residual = kSplit == 1 && a.residual;  // never split (launch_fwd_block)
-  if (residual && !kLateResidual) {
+  if constexpr (kLateResidual) {
+    // Parameters held in registers are loaded before the residual add's
+    // stores, which no load passes; late ones after it, in its cells.
+    if (residual) {
+      add_residual_late(xv, a, row * hidden + first, span, ResidualLate{dyn}, [&] {
+        if constexpr (kHold) load_params();
+      });
+    }
+    if (!(kHold && residual)) load_params();
+  } else if (residual) {
     load_params();  // before the residual add's stores, which no load passes
     add_residual<NV == kFewNv ? NV : 1>(xv, a, row * hidden + first,
                                         [&](int i) { return span.in(i); },
                                         [&](int i) { return span.at(i); });
   } else {
-    if constexpr (kLateResidual) {
-      if (residual) add_residual_late(xv, a, row * hidden + first, span, late);
-    }
     load_params();  // where ptxas places it: after the first sum (v9)
   }
   A mean, rstd;
@@ -481,7 +509,8 @@ cudaError_t with_row_vecs(int64_t nvec, F&& f) {
 // (benchmarks/NOTES.md, v6, v7 and v25).
 template <typename X, typename Y, typename W, int VEC, bool kC>
 bool fwd_loads_early(int threads, bool residual, const DeviceInfo& dev) {
-  auto blocks = [&](auto kernel) { return blocks_per_sm(kernel, threads, 0, dev); };
+  const size_t smem = fwd_block_smem<X, W, VEC, 4, kC, true, true>(threads, residual);
+  auto blocks = [&](auto kernel) { return blocks_per_sm(kernel, threads, smem, dev); };
   const int early = blocks(fwd_block<X, Y, W, VEC, 4, kC, true, true>);
   if (!residual) return early * threads >= 1024;
   return 4 * early >= 3 * blocks(fwd_block<X, Y, W, VEC, 4, kC, true, false>);
@@ -506,13 +535,15 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
   };
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
+    const bool residual = a.residual != nullptr;
     if (!a.write_y) {  // neither y nor the parameters: one kernel for every Y and W
-      if (nv == 8) {
-        using Late = FwdLateLoads<X, VEC, kC, false>;
-        return launch(fwd_block<X, X, X, VEC, 8, kC, false, false>, 1,
-                      a.residual ? Late::bytes(threads) : 0);
-      }
-      if (nv == 4) return launch(fwd_block<X, X, X, VEC, 4, kC, false, false>);
+      auto stats = [&](auto vectors) {
+        constexpr int N = decltype(vectors)::value;
+        return launch(fwd_block<X, X, X, VEC, N, kC, false, false>, 1,
+                      fwd_block_smem<X, X, VEC, N, kC, false, false>(threads, residual));
+      };
+      if (nv == 8) return stats(std::integral_constant<int, 8>{});
+      if (nv == 4) return stats(std::integral_constant<int, 4>{});
       return with_row_vecs(a.hidden / VEC, [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
         return launch(fwd_block<X, X, X, VEC, kFewNv, kC, false, false, 1, V>);
@@ -539,9 +570,10 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                             : fwd_block<X, Y, W, VEC, kLongNv, kC, true, false>;
       return launch(kernel, 1, FwdLateLoads<W, VEC, kC, true>::bytes(threads));
     }
-    const bool early = fwd_loads_early<X, Y, W, VEC, kC>(threads, a.residual != nullptr, dev);
+    const bool early = fwd_loads_early<X, Y, W, VEC, kC>(threads, residual, dev);
     return launch(early ? fwd_block<X, Y, W, VEC, 4, kC, true, true>
-                        : fwd_block<X, Y, W, VEC, 4, kC, true, false>);
+                        : fwd_block<X, Y, W, VEC, 4, kC, true, false>,
+                  1, fwd_block_smem<X, W, VEC, 4, kC, true, true>(threads, residual));
   });
 }
 

@@ -230,10 +230,9 @@ __device__ __forceinline__ void add_store(RegVec<X, VEC>& x, const RegVec<X, VEC
 // kAhead vectors are loaded before the first of them is stored: the compiler
 // moves no load past a store (inline PTX), so in the decode kernels loading
 // vector i + 1 after storing vector i cost a memory round trip
-// (benchmarks/NOTES.md, v12). Kernels with 4 vectors a thread keep
-// kAhead = 1: more would cost them registers, and their SMs hold other rows'
-// blocks to hide the wait. The long-row forward has a way of its own
-// (LateLoads in row_norm_block.cuh).
+// (benchmarks/NOTES.md, v12). The generic kernels keep kAhead = 1: more
+// would cost them registers. fwd_block with 4 or more vectors a thread has a
+// way of its own (LateLoads in row_norm_block.cuh).
 template <int kAhead, int VEC, int NV, typename X, typename In, typename At>
 __device__ __forceinline__ void add_residual(RegVec<X, VEC> (&xv)[NV], const FwdArgs& a,
                                              int64_t row_start, In&& in, At&& at) {
