@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: build jaxnorm with its CUDA kernels (no network needed: the
+# One run on a GPU machine: build jaxnorm with its CUDA kernels (no network needed: the
 # build uses the machine's jax, nanobind and scikit-build-core), run the whole
 # test suite on the GPU, then the benchmarks. Everything lands in $OUT.
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
