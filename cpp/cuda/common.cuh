@@ -322,6 +322,17 @@ __device__ __forceinline__ int row_first_warp(int tpr) {
   return tpr >= 32 ? warp - warp % (tpr / 32) : warp;
 }
 
+// Sums K values over a warp with an xor butterfly, which leaves the same bits
+// in every lane (each adds the same two halves, a + b = b + a).
+template <int K, typename A>
+__device__ __forceinline__ void warp_sum(A (&v)[K]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
+  }
+}
+
 // Sums K values over the `tpr` consecutive threads that share a row. tpr is a
 // power of two up to 32, or a multiple of 32; `smem` holds K values per warp of
 // the block (16-byte aligned). Every thread of the block must call it (it may
@@ -333,11 +344,7 @@ template <int K, typename A>
 __device__ __forceinline__ void row_sum(A (&v)[K], int tpr, A* smem, bool reuse_sync = true,
                                         int first_warp = -1) {
   if (tpr >= 32) {  // the common case, unrolled: no loop counter
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-#pragma unroll
-      for (int off = 16; off > 0; off /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], off);
-    }
+    warp_sum(v);
   } else {
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -440,16 +447,21 @@ constexpr int kMaxClusterParts = 8;  // blocks in a cluster (the portable limit)
 // Two sets of slots, taken by turns: a block writes a peer's set again two
 // calls later, past its wait for the peer's totals of the call between, which
 // the peer sends only after a block barrier (row_sum's, tpr > 32 here) that
-// follows its reads of the set. Every block receives as many totals as it
-// waits for, so none is in flight to a block that has exited.
-template <typename A, int kMaxK>
+// follows its reads of the set. With warps(), each warp's totals go straight
+// to every block (kMaxWarps slots a block) with no block barrier: a warp
+// writes a peer's set again past its wait for every warp's totals of the call
+// between, which each warp sends only after its shuffles of what it read of
+// the set. Every block receives as many totals as it waits for, so none is in
+// flight to a block that has exited.
+template <typename A, int kMaxK, int kMaxWarps = 1>
 class ClusterSum {
   using P = Packed<A, kMaxK>;
   static_assert(sizeof(P) % 16 == 0);
 
  public:
+  static constexpr int kSlots = kMaxClusterParts * kMaxWarps;
   struct Shared {
-    P slots[2][kMaxClusterParts];
+    P slots[2][kSlots];
     uint64_t bars[2];
   };
 
@@ -480,40 +492,100 @@ class ClusterSum {
   template <int K>
   __device__ void operator()(A (&v)[K], int parts) {
     static_assert(K <= kMaxK);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const uint32_t bar = shared_addr(&sh_.bars[turn_]);
-    if (threadIdx.x == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                   "r"(uint32_t(parts * sizeof(P)))
-                   : "memory");
-    }
-    if (int(threadIdx.x) < parts) {  // thread r sends to the block of rank r
-      P mine{};
+    expect(parts);
+    if (int(threadIdx.x) < parts) send(v, rank_, threadIdx.x);
+    wait_and_sum(v, parts);
+  }
+
+  // Every thread of every block calls it, v holding its warp's totals (the
+  // same in every lane: warp_sum): sums them over the warps of the cluster's
+  // blocks, slot rank * warps + warp, with one wait and no block barrier.
+  // The order is that of row_sum and then operator(): lane r adds block r's
+  // warps in order, then every lane adds the lanes' sums in rank order, so
+  // the bits are the same as theirs.
+  template <int K>
+  __device__ void warps(A (&v)[K], int parts) {
+    static_assert(K <= kMaxK);
+    const int warps = int(blockDim.x) / 32, warp = int(threadIdx.x) / 32;
+    const int lane = int(threadIdx.x) % 32;
+    expect(parts * warps);
+    if (lane < parts) send(v, rank_ * warps + warp, lane);
+    wait();
 #pragma unroll
-      for (int k = 0; k < K; ++k) mine.v[k] = v[k];
-      const uint32_t peer = threadIdx.x;
-      const uint32_t slot = remote_addr(shared_addr(&sh_.slots[turn_][rank_]), peer);
-      const uint32_t peer_bar = remote_addr(bar, peer);
-      const auto* w = reinterpret_cast<const uint32_t*>(&mine);
+    for (int k = 0; k < K; ++k) v[k] = 0;
+    if (lane < parts) {
+      for (int w = 0; w < warps; ++w) {
+        const P p = sh_.slots[turn_][lane * warps + w];
 #pragma unroll
-      for (int c = 0; c < int(sizeof(P) / 16); ++c) {
-        asm volatile(
-            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
-            "[%5];" ::"r"(slot + 16 * c),
-            "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3]), "r"(peer_bar)
-            : "memory");
+        for (int k = 0; k < K; ++k) v[k] += p.v[k];
       }
     }
+    turn_ ^= 1;
+    A block[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) block[k] = v[k], v[k] = 0;
+    for (int r = 0; r < parts; ++r) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) v[k] += __shfl_sync(0xffffffffu, block[k], r);
+    }
+  }
+
+ private:
+  // Thread 0 announces the bytes of `slots` slots this block receives.
+  __device__ void expect(int slots) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (threadIdx.x == 0) {
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
+                       shared_addr(&sh_.bars[turn_])),
+                   "r"(uint32_t(slots * sizeof(P)))
+                   : "memory");
+    }
+#endif
+  }
+
+  // Sends v into slot `slot` of the block of rank `peer`.
+  template <int K>
+  __device__ void send(const A (&v)[K], int slot, uint32_t peer) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    P mine{};
+#pragma unroll
+    for (int k = 0; k < K; ++k) mine.v[k] = v[k];
+    const uint32_t at = remote_addr(shared_addr(&sh_.slots[turn_][slot]), peer);
+    const uint32_t peer_bar = remote_addr(shared_addr(&sh_.bars[turn_]), peer);
+    const auto* w = reinterpret_cast<const uint32_t*>(&mine);
+#pragma unroll
+    for (int c = 0; c < int(sizeof(P) / 16); ++c) {
+      asm volatile(
+          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+          "[%5];" ::"r"(at + 16 * c),
+          "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3]), "r"(peer_bar)
+          : "memory");
+    }
+#endif
+  }
+
+  // Waits for this turn's slots.
+  __device__ void wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile(
         "{\n"
         ".reg .pred done;\n"
         "wait_%=:\n"
         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra wait_%=;\n"
-        "}" ::"r"(bar),
+        "}" ::"r"(shared_addr(&sh_.bars[turn_])),
         "r"((phases_ >> turn_) & 1)
         : "memory");
     phases_ ^= 1u << turn_;
+#else
+    __trap();  // never launched in clusters before sm_90
+#endif
+  }
+
+  // Waits, then sums the `parts` blocks' slots in rank order.
+  template <int K>
+  __device__ void wait_and_sum(A (&v)[K], int parts) {
+    wait();
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = 0;
     for (int r = 0; r < parts; ++r) {
@@ -522,12 +594,8 @@ class ClusterSum {
       for (int k = 0; k < K; ++k) v[k] += p.v[k];
     }
     turn_ ^= 1;
-#else
-    __trap();  // never launched in clusters before sm_90
-#endif
   }
 
- private:
   // The address of the same shared-memory location in the block of rank r.
   static __device__ uint32_t remote_addr(uint32_t local, uint32_t r) {
     uint32_t out = local;
@@ -564,9 +632,9 @@ struct DeviceInfo {
 };
 
 // Above the most static shared memory of any kernel, so that every plan's
-// dynamic shared memory fits: the float64 backward's cluster split, 2688
-// bytes with the padding kDynSmemAlign adds (ptxas -v).
-constexpr size_t kStaticSmemMargin = 4096;
+// dynamic shared memory fits: the float64 backward's cluster split, whose
+// warps' slots (ClusterSum::warps) take 8 KB.
+constexpr size_t kStaticSmemMargin = 9 * 1024;
 
 // Alignment of the kernels' dynamic shared memory (`extern __shared__
 // __align__(kDynSmemAlign) unsigned char dyn[]`, one symbol: every

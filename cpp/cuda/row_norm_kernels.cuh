@@ -775,12 +775,15 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
-  __shared__ __align__(16) typename ClusterSum<A, 4>::Shared cluster_shared;
+  // A split's warps send their sums to the cluster's blocks themselves
+  // (ClusterSum::warps): one wait a row and no block barrier.
+  using Cluster = ClusterSum<A, 4, kSplit ? kMaxRowThreads / 32 : 1>;
+  __shared__ __align__(16) typename Cluster::Shared cluster_shared;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
-  ClusterSum<A, 4> cluster_sum(cluster_shared);
+  Cluster cluster_sum(cluster_shared);
   if constexpr (kSplit) cluster_sum.init();
   const bool has_stats = a.rstd != nullptr;
   const int regions = int(a.has_scale) + int(a.has_bias);
@@ -945,8 +948,12 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
         add_row_dots<kMode>(s, g, xh);
         if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
       }
-      row_sums(s, a.tpr);
-      if constexpr (kSplit) cluster_sum(s, parts);
+      if constexpr (kSplit) {
+        warp_sum(s);
+        cluster_sum.warps(s, parts);
+      } else {
+        row_sums(s, a.tpr);
+      }
       row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
     };
     using Mode = RowDots;
