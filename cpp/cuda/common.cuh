@@ -500,9 +500,10 @@ class ClusterSum {
   // Every thread of every block calls it, v holding its warp's totals (the
   // same in every lane: warp_sum): sums them over the warps of the cluster's
   // blocks, slot rank * warps + warp, with one wait and no block barrier.
-  // The order is that of row_sum and then operator(): lane r adds block r's
-  // warps in order, then every lane adds the lanes' sums in rank order, so
-  // the bits are the same as theirs.
+  // Lane l adds slots l, l + 32, ... in order, then warp_sum adds the lanes:
+  // every warp of every block adds the same slots the same way, so all get
+  // the same bits. The order differs from row_sum's then operator()'s (block
+  // by block), and so do the last bits of the sums.
   template <int K>
   __device__ void warps(A (&v)[K], int parts) {
     static_assert(K <= kMaxK);
@@ -513,21 +514,13 @@ class ClusterSum {
     wait();
 #pragma unroll
     for (int k = 0; k < K; ++k) v[k] = 0;
-    if (lane < parts) {
-      for (int w = 0; w < warps; ++w) {
-        const P p = sh_.slots[turn_][lane * warps + w];
+    for (int slot = lane; slot < parts * warps; slot += 32) {
+      const P p = sh_.slots[turn_][slot];
 #pragma unroll
-        for (int k = 0; k < K; ++k) v[k] += p.v[k];
-      }
+      for (int k = 0; k < K; ++k) v[k] += p.v[k];
     }
     turn_ ^= 1;
-    A block[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) block[k] = v[k], v[k] = 0;
-    for (int r = 0; r < parts; ++r) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) v[k] += __shfl_sync(0xffffffffu, block[k], r);
-    }
+    warp_sum(v);
   }
 
  private:

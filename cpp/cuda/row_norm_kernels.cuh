@@ -775,8 +775,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
-  // A split's warps send their sums to the cluster's blocks themselves
-  // (ClusterSum::warps): one wait a row and no block barrier.
+  // Slots for each warp of a split's blocks (ClusterSum::warps).
   using Cluster = ClusterSum<A, 4, kSplit ? kMaxRowThreads / 32 : 1>;
   __shared__ __align__(16) typename Cluster::Shared cluster_shared;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
@@ -948,11 +947,17 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
         add_row_dots<kMode>(s, g, xh);
         if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
       }
-      if constexpr (kSplit) {
+      // A split's warps send their sums to the cluster's blocks themselves
+      // (ClusterSum::warps), except LayerNorm computing its statistics: its
+      // sums about the shift cancel (row_dx_terms), and with the row's first
+      // element as the shift, the large-mean test holds in the block-then-
+      // cluster order with little margin (benchmarks/NOTES.md, v38).
+      if constexpr (kSplit && kMode != RowDots::kOwnLn) {
         warp_sum(s);
         cluster_sum.warps(s, parts);
       } else {
         row_sums(s, a.tpr);
+        if constexpr (kSplit) cluster_sum(s, parts);
       }
       row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
     };
