@@ -948,11 +948,13 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
         if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
       }
       // A split's warps send their sums to the cluster's blocks themselves
-      // (ClusterSum::warps), except LayerNorm computing its statistics: its
-      // sums about the shift cancel (row_dx_terms), and with the row's first
-      // element as the shift, the large-mean test holds in the block-then-
-      // cluster order with little margin (benchmarks/NOTES.md, v38).
-      if constexpr (kSplit && kMode != RowDots::kOwnLn) {
+      // (ClusterSum::warps), except LayerNorm computing the statistics of
+      // float32/float64 rows. Its sums about the shift cancel, by up to n
+      // (row_dx_terms): n float32 roundings, below a 16-bit x's own up to
+      // 65536 elements a row, but not below a float32 x's, where the
+      // large-mean test holds in the block-then-cluster order with little
+      // margin (benchmarks/NOTES.md, v38).
+      if constexpr (kSplit && (kMode != RowDots::kOwnLn || sizeof(X) == 2)) {
         warp_sum(s);
         cluster_sum.warps(s, parts);
       } else {
