@@ -949,12 +949,14 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       }
       // A split's warps send their sums to the cluster's blocks themselves
       // (ClusterSum::warps), except LayerNorm computing the statistics of
-      // float32/float64 rows. Its sums about the shift cancel, by up to n
-      // (row_dx_terms): n float32 roundings, below a 16-bit x's own up to
-      // 65536 elements a row, but not below a float32 x's, where the
-      // large-mean test holds in the block-then-cluster order with little
-      // margin (benchmarks/NOTES.md, v38).
-      if constexpr (kSplit && (kMode != RowDots::kOwnLn || sizeof(X) == 2)) {
+      // rows other than bf16. Its sums about the shift cancel, by up to n
+      // (row_dx_terms): n float32 roundings in the variance, half of them in
+      // rstd, below bf16's own rounding up to 65536 elements a row but not
+      // below float16's or float32's; for float32 the large-mean test holds
+      // in the block-then-cluster order with little margin
+      // (benchmarks/NOTES.md, v38).
+      constexpr bool kWarpSums = kMode != RowDots::kOwnLn || std::is_same_v<X, __nv_bfloat16>;
+      if constexpr (kSplit && kWarpSums) {
         warp_sum(s);
         cluster_sum.warps(s, parts);
       } else {
