@@ -76,6 +76,18 @@ def test_large_mean_is_stable(op):
     assert_close(y, norm_np(x, None, None, eps, centered, 1), jnp.float32, scale=20)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(64, 1024), (64, 4096), (16, 12288), (8, 32768)], ids=str)
+def test_layer_norm_of_16_bit_rows_far_from_zero(dtype, shape):
+    # On a GPU the one-block-a-row forwards of 16-bit x take xhat as
+    # x * rstd - mean * rstd: with |mean| = 300 std, a mean * rstd rounded
+    # to 16 bits or a cancelling E[x^2] - E[x]^2 would be off by far more
+    # than y's rounding.
+    x = rand(6, shape, dtype, offset=300.0)
+    scale, bias = params("layer_norm", 6, shape[-1:], dtype)
+    check_values("layer_norm", x, scale, bias)
+
+
 # On a GPU: staged rows, rows not a whole number of 16-byte vectors (the
 # element-wise path), rows split over a cluster, few rows (the column plan;
 # one row, a block compiled for its length).

@@ -388,7 +388,7 @@ __device__ __forceinline__ void fwd_block_row(const FwdArgs& a) {
         if (use_w) load_scale(w, scale + c * VEC, a.scale_offset);
         if (use_b) load_vec(b, bias + c * VEC);
       }
-      normalize_store(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
+      normalize_store<VEC, kCentered>(yr + c * VEC, xv[i], mean, rstd, w, use_w, b, use_b);
     }
   }
 }
