@@ -258,6 +258,7 @@ PLAN_CASES = [
     ((1100, 12288), jnp.bfloat16, jnp.bfloat16),
     ((3, 65536), jnp.bfloat16, jnp.bfloat16),
     ((1100, 1024), jnp.bfloat16, jnp.float32),
+    ((1100, 512), jnp.float32, jnp.float32),  # with 1100x1024: rows of a warp at 4 vectors
     ((700, 2052), jnp.float32, jnp.bfloat16),
     ((540, 16384), jnp.bfloat16, jnp.float32),
     ((540, 32768), jnp.bfloat16, jnp.bfloat16),

@@ -340,7 +340,7 @@ int main(int argc, char** argv) {
         return !few_serves && q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
       };
       for (bool write_y : {true, false}) {
-        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, false, sms) > 0);
+        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, false, c.centered, sms) > 0);
         FwdArgs a = fa;
         a.write_y = write_y;
         float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
@@ -466,7 +466,7 @@ int main(int argc, char** argv) {
     for (int mode = 0; mode < 3; ++mode) {
       const bool write_y = mode < 2, residual = mode > 0;
       if (residual && c.centered) continue;
-      const int nv = block_fwd_nv(c.rows, nvec, write_y, residual, sms);
+      const int nv = block_fwd_nv(c.rows, nvec, write_y, residual, c.centered, sms);
       if (nv <= kFewNv) continue;
       FwdArgs a = fa;
       a.write_y = write_y;
@@ -559,7 +559,7 @@ int main(int argc, char** argv) {
         with_row_vecs(fixed ? nvec : 0, [&](auto vecs) {
           constexpr int V = NV == kFewNv ? decltype(vecs)::value : 0;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S, V>;
-          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, residual, sms) == NV;
+          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, residual, c.centered, sms) == NV;
           if (planned && NV == kFewNv) planned = fixed == has_fixed;
           if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
             planned = kEarly && S == (split_rows(c.rows, sms, kC) && !residual ? 2 : 1);
@@ -615,6 +615,7 @@ int main(int argc, char** argv) {
     few_fwd(four{}, yes{}, yes{}, one{}, false);
     few_fwd(four{}, yes{}, no{}, one{}, false, true);
     few_fwd(four{}, yes{}, yes{}, one{}, false, true);
+    few_fwd(two{}, yes{}, yes{}, one{}, false, true);
     if (c.rows <= 4 * sms) {  // two blocks a row; the row length fixed; the residual
       few_fwd(two{}, yes{}, yes{}, two{}, false);
       few_fwd(two{}, yes{}, yes{}, one{}, true);
@@ -667,7 +668,7 @@ int main(int argc, char** argv) {
       stats.write_y = false;
       stats.has_scale = stats.has_bias = false;
       few_bwd("sf+f", [&] {
-        if (const int nv = block_fwd_nv(c.rows, nvec, false, false, sms)) {
+        if (const int nv = block_fwd_nv(c.rows, nvec, false, false, c.centered, sms)) {
           CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, stats));
         } else {
           CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, plan_fwd(c.rows, nvec, VEC, sms),
