@@ -77,9 +77,12 @@ def test_large_mean_is_stable(op):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", [(64, 1024), (64, 4096), (16, 12288), (8, 32768)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(64, 1024), (600, 1024), (600, 4096), (540, 12288), (8, 32768), (3, 65536)], ids=str
+)
 def test_layer_norm_of_16_bit_rows_far_from_zero(dtype, shape):
-    # On a GPU the one-block-a-row forwards of 16-bit x take xhat as
+    # On a GPU the one-block-a-row forwards of 16-bit x (few rows; many rows
+    # of 4 and 8 vectors a thread; a cluster a row at 65536) take xhat as
     # x * rstd - mean * rstd: with |mean| = 300 std, a mean * rstd rounded
     # to 16 bits or a cancelling E[x^2] - E[x]^2 would be off by far more
     # than y's rounding.

@@ -576,10 +576,12 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
                             : fwd_block<X, Y, W, VEC, kLongNv, kC, true, false>;
       return launch(kernel, 1, FwdLateLoads<W, VEC, kC, true>::bytes(threads));
     }
+    // 4 vectors: the residual's cells alone, early parameters or not.
+    const size_t smem = fwd_block_smem<X, W, VEC, 4, kC, true, true>(threads, residual);
     const bool early = fwd_loads_early<X, Y, W, VEC, kC>(threads, residual, dev);
     return launch(early ? fwd_block<X, Y, W, VEC, 4, kC, true, true>
                         : fwd_block<X, Y, W, VEC, 4, kC, true, false>,
-                  1, fwd_block_smem<X, W, VEC, 4, kC, true, true>(threads, residual));
+                  1, smem);
   });
 }
 
