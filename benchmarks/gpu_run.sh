@@ -6,9 +6,11 @@
 # STEPS picks what runs after the build (unset: tests plans bench; also
 # "examples", which runs examples/ on the machine's GPUs, "model", the
 # Llama-style model benchmark, and "sanitize", the row-norm tests under
-# compute-sanitizer's SANITIZE_TOOLS); SKIP_BUILD=1 keeps an earlier build;
-# BENCH_ARGS go to bench_row_norm.py; TESTS picks test files (default: all); the
-# step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
+# compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
+# -k SANITIZE_K); SKIP_BUILD=1 keeps an earlier build;
+# BWD_ROLES=1 builds the trial warp-role backward into the handlers
+# (CMakeLists.txt); BENCH_ARGS go to bench_row_norm.py; TESTS picks test
+# files (default: all); the step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
 export PATH=/usr/local/cuda/bin:$PATH
@@ -32,7 +34,9 @@ if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/
   echo "kept the earlier build"
 elif ! python3 -m pip install --no-build-isolation --no-deps -v \
     -C cmake.define.JAXNORM_CUDA=ON \
-    -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" . > "$OUT/build.log" 2>&1; then
+    -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
+    -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
+    . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; exit 1
 fi
 echo "built in $(( $(date +%s) - start )) s"
@@ -77,7 +81,8 @@ if step sanitize; then
     (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
         XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${SANITIZE_TIMEOUT:-280}" \
         compute-sanitizer --tool "$tool" --kernel-name kns=jaxnorm --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider ${SANITIZE_TESTS:-$repo/tests/test_row_norm.py $repo/tests/test_add_norm.py}) \
+        python3 -m pytest -q -p no:cacheprovider ${SANITIZE_K:+-k "$SANITIZE_K"} \
+        ${SANITIZE_TESTS:-$repo/tests/test_row_norm.py $repo/tests/test_add_norm.py}) \
         > "$OUT/sanitizer_$tool.log" 2>&1
     echo "exit status $?" >> "$OUT/sanitizer_$tool.log"
     grep -E "SUMMARY|passed|failed|exit status" "$OUT/sanitizer_$tool.log" | tail -4
@@ -87,7 +92,8 @@ fi
 if step plans; then
   echo "== kernel plans (C++, every register-path plan)"
   jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
-  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
+  roles_flag=$([ "${BWD_ROLES:-0}" = 1 ] && echo -DJAXNORM_BWD_ROLES)
+  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr $roles_flag -Icpp -isystem "$jaxinc" \
       benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
     rm -f "$OUT/plans_build.log"
     /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"

@@ -112,6 +112,18 @@ def test_layer_norm_gradients_of_a_large_mean(shape):
     check_grads64("layer_norm", x, scale, bias, rand(5, shape, jnp.float32), tol_scale=100)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", [(600, 8192), (560, 7176), (600, 4096)], ids=str)
+def test_layer_norm_gradients_of_16_bit_rows_far_from_zero(dtype, shape):
+    """The same for 16-bit x 300 std from zero (on a GPU, 8192 and 7176 wide:
+    the backward in warp roles, whose xhat is x * rstd - mean * rstd)."""
+    x = np.array(rand(7, shape, jnp.float32, offset=300.0))
+    x[::2, 0] += 40.0
+    x = jnp.asarray(x, dtype)
+    scale, bias = params("layer_norm", 7, shape[-1:], dtype)
+    check_grads64("layer_norm", x, scale, bias, rand(8, shape, dtype))
+
+
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("hidden", [96, 1024])  # on a GPU, 1024 float32: a fixed-width kernel
 def test_without_params(op, hidden):
@@ -295,6 +307,12 @@ PLAN_CASES = [
     ((5, 131080), jnp.bfloat16, jnp.float32),
     ((3, 32772), jnp.float64, jnp.float64),
     ((530, 24576), jnp.bfloat16, jnp.bfloat16),
+    # The backward of 16-bit rows of 513-1024 vectors computing its
+    # statistics on sm_90 (warp roles, row_norm_bwd_roles.cuh): 600x8192 and
+    # 560x7176 above; a row's last vectors masked in both roles (625 vectors);
+    # float16 with float32 parameters, about 8 rows a block through 3 stages.
+    ((700, 5000), jnp.bfloat16, jnp.bfloat16),
+    ((1000, 8192), jnp.float16, jnp.float32),
 ]
 
 

@@ -10,7 +10,9 @@
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
-// split over clusters of those many blocks a row.
+// split over clusters of those many blocks a row. The warp-role backward
+// (row_norm_bwd_roles.cuh) is timed where it serves, as ro; built with
+// -DJAXNORM_BWD_ROLES the planned backward there is it (ro*).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -24,6 +26,7 @@
 #include <vector>
 
 #include "cuda/row_norm_block.cuh"
+#include "cuda/row_norm_bwd_roles.cuh"
 #include "cuda_check.h"
 
 using namespace jaxnorm::cuda;
@@ -182,10 +185,10 @@ struct Case {
 double check(const Case& c, const std::vector<float>& x, const std::vector<float>& w,
              const std::vector<float>& b, const std::vector<float>& dy,
              const std::vector<float>& y, const std::vector<float>& dx,
-             const std::vector<float>& dw) {
+             const std::vector<float>& dw, const std::vector<float>& db) {
   const int64_t H = c.hidden;
   double err = 0;
-  std::vector<double> dw_ref(H, 0.0);
+  std::vector<double> dw_ref(H, 0.0), db_ref(H, 0.0);
   for (int64_t r = 0; r < c.rows; ++r) {
     const float* xr = &x[r * H];
     const float* gr = &dy[r * H];
@@ -200,6 +203,7 @@ double check(const Case& c, const std::vector<float>& x, const std::vector<float
     for (int64_t j = 0; j < H; ++j) {
       const double xh = (xr[j] - mean) * rstd, g = double(gr[j]) * w[j];
       dw_ref[j] += gr[j] * xh;
+      db_ref[j] += gr[j];
       sgx += g * xh;
       sg += g;
     }
@@ -214,6 +218,7 @@ double check(const Case& c, const std::vector<float>& x, const std::vector<float
   }
   for (int64_t j = 0; j < H; ++j) {
     err = std::max(err, std::abs(dw[j] - dw_ref[j]) / (1 + std::abs(dw_ref[j])));
+    if (c.centered) err = std::max(err, std::abs(db[j] - db_ref[j]) / (1 + std::abs(db_ref[j])));
   }
   return err;
 }
@@ -318,7 +323,7 @@ int main(int argc, char** argv) {
       if (verify) {
         CHECK(cudaStreamSynchronize(s));
         err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
-                    to_host(dw, H, true));
+                    to_host(dw, H, true), to_host(dbias, H, true));
       }
       std::printf("%-3s %-9s %12s %3s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op, "bwd",
                   shape, name, tpr, rpb, grid, smem, us, bytes / us / 1e3,
@@ -369,7 +374,14 @@ int main(int argc, char** argv) {
       own.mean = own.rstd = nullptr;
       own.epsilon = 1e-5;
       const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
-      time_bwd(bwd_plan.parts > 1 ? "so*" : " o*", bwd_plan.tpr, bwd_plan.rows_per_block,
+      const bool roles = roles_serve(own, info);
+#ifdef JAXNORM_BWD_ROLES
+      const bool roles_planned = roles;  // as the handlers of a trial build plan
+#else
+      const bool roles_planned = false;
+#endif
+      time_bwd(bwd_plan.parts > 1 ? "so*" : roles_planned ? " o" : " o*", bwd_plan.tpr,
+               bwd_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
@@ -386,6 +398,11 @@ int main(int argc, char** argv) {
         if (q.parts == 1 && q.tpr % 32 == 0 && int64_t(q.tpr) * kMaxBwdNv >= nvec) {
           time_own(" o=", q);
         }
+      }
+      // The backward in warp roles (row_norm_bwd_roles.cuh), where it serves.
+      if (roles) {
+        time_bwd(roles_planned ? "ro*" : " ro", kRoleThreads, 1, roles_grid(own, info),
+                 size_t(kRoleStages) * 2 * H * 2, [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own)); });
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
       // slice of the row each at 4 vectors a thread (o3, o6).

@@ -437,6 +437,130 @@ cudaError_t launch_clusters(void (*kernel)(Args...), unsigned grid, int threads,
 
 constexpr int kMaxClusterParts = 8;  // blocks in a cluster (the portable limit)
 
+// The address of the same shared-memory location in the cluster's block of
+// rank r (sm_90).
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t local, uint32_t r) {
+  uint32_t out = local;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(r));
+#endif
+  return out;
+}
+
+// mbarriers (sm_90): a phase completes when its expected arrivals have come
+// and the bytes announced to it (mbar_expect) have landed. Waits take the
+// parity of the phase waited for.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_addr(bar)), "r"(count)
+               : "memory");
+#endif
+}
+
+// Arrives, releasing the thread's earlier shared-memory writes to the block.
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_addr(bar)) : "memory");
+#endif
+}
+
+// Arrives and announces `bytes` more to land in the current phase.
+__device__ __forceinline__ void mbar_expect(uint64_t* bar, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_addr(bar)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+
+// Waits for the phase of `parity` to complete; kCluster: acquiring what
+// other blocks of the cluster wrote (st.async).
+template <bool kCluster = false>
+__device__ __forceinline__ void mbar_wait(const uint64_t* bar, uint32_t parity) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kCluster) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}" ::"r"(shared_addr(bar)),
+        "r"(parity)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "wait_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra wait_%=;\n"
+        "}" ::"r"(shared_addr(bar)),
+        "r"(parity)
+        : "memory");
+  }
+#endif
+}
+
+// Orders the thread's (and, after an mbarrier wait, the block's) earlier
+// shared-memory accesses before its later bulk copies (the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// global to shared memory with one bulk copy (TMA); they count towards bar's
+// current phase (announced with mbar_expect).
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(shared_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(shared_addr(bar))
+      : "memory");
+#endif
+}
+
+// Publishes the mbarriers the thread initialized to the cluster, so that the
+// cluster barrier after it may be relaxed: a release would first wait for
+// every earlier memory access of the thread (MEMBAR.ALL.GPU), loads included.
+__device__ __forceinline__ void fence_mbar_init() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+
+// Every thread of every block of the cluster arrives, then waits for all.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+  asm volatile("barrier.cluster.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+
+// Stores 16 bytes at `at` (a cluster shared-memory address) with st.async,
+// which signals the mbarrier at `bar` (in the same block) as they land.
+__device__ __forceinline__ void st_async16(uint32_t at, const uint32_t* w, uint32_t bar) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];" ::"r"(at),
+      "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(bar)
+      : "memory");
+#endif
+}
+
 // Up to kMaxK per-block totals summed over the `parts` blocks of a
 // thread-block cluster (sm_90), in the order of their ranks in every block, so
 // that each block gets the same bits. Each block pushes its totals into every
@@ -473,19 +597,12 @@ class ClusterSum {
   // next block on the SM's first shared-memory write against them
   // (benchmarks/NOTES.md, v27).
   __device__ void init() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x < 2) {
-      const uint32_t bar = shared_addr(&sh_.bars[threadIdx.x]);
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-      // What publishes the initialized mbarriers to the cluster, so the
-      // arrive may be relaxed: a release would first wait for every earlier
-      // memory access of the thread (MEMBAR.ALL.GPU), the loads included.
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      mbar_init(&sh_.bars[threadIdx.x], 1);
+      fence_mbar_init();
     }
-    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-    asm volatile("barrier.cluster.wait;" ::: "memory");
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank_));
-#endif
+    cluster_sync_relaxed();
+    rank_ = cluster_rank();
   }
 
   // Every thread of every block calls it, v holding the block's totals.
@@ -526,14 +643,7 @@ class ClusterSum {
  private:
   // Thread 0 announces the bytes of `slots` slots this block receives.
   __device__ void expect(int slots) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x == 0) {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(
-                       shared_addr(&sh_.bars[turn_])),
-                   "r"(uint32_t(slots * sizeof(P)))
-                   : "memory");
-    }
-#endif
+    if (threadIdx.x == 0) mbar_expect(&sh_.bars[turn_], uint32_t(slots * sizeof(P)));
   }
 
   // Sends v into slot `slot` of the block of rank `peer`.
@@ -543,32 +653,18 @@ class ClusterSum {
     P mine{};
 #pragma unroll
     for (int k = 0; k < K; ++k) mine.v[k] = v[k];
-    const uint32_t at = remote_addr(shared_addr(&sh_.slots[turn_][slot]), peer);
-    const uint32_t peer_bar = remote_addr(shared_addr(&sh_.bars[turn_]), peer);
+    const uint32_t at = cluster_addr(shared_addr(&sh_.slots[turn_][slot]), peer);
+    const uint32_t peer_bar = cluster_addr(shared_addr(&sh_.bars[turn_]), peer);
     const auto* w = reinterpret_cast<const uint32_t*>(&mine);
 #pragma unroll
-    for (int c = 0; c < int(sizeof(P) / 16); ++c) {
-      asm volatile(
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
-          "[%5];" ::"r"(at + 16 * c),
-          "r"(w[4 * c]), "r"(w[4 * c + 1]), "r"(w[4 * c + 2]), "r"(w[4 * c + 3]), "r"(peer_bar)
-          : "memory");
-    }
+    for (int c = 0; c < int(sizeof(P) / 16); ++c) st_async16(at + 16 * c, w + 4 * c, peer_bar);
 #endif
   }
 
   // Waits for this turn's slots.
   __device__ void wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile(
-        "{\n"
-        ".reg .pred done;\n"
-        "wait_%=:\n"
-        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra wait_%=;\n"
-        "}" ::"r"(shared_addr(&sh_.bars[turn_])),
-        "r"((phases_ >> turn_) & 1)
-        : "memory");
+    mbar_wait<true>(&sh_.bars[turn_], (phases_ >> turn_) & 1);
     phases_ ^= 1u << turn_;
 #else
     __trap();  // never launched in clusters before sm_90
@@ -587,15 +683,6 @@ class ClusterSum {
       for (int k = 0; k < K; ++k) v[k] += p.v[k];
     }
     turn_ ^= 1;
-  }
-
-  // The address of the same shared-memory location in the block of rank r.
-  static __device__ uint32_t remote_addr(uint32_t local, uint32_t r) {
-    uint32_t out = local;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(r));
-#endif
-    return out;
   }
 
   Shared& sh_;
