@@ -13,7 +13,7 @@ namespace nb = nanobind;
 JAXNORM_FFI_TARGETS(JAXNORM_DECLARE_CPU)
 #ifdef JAXNORM_WITH_CUDA
 #define JAXNORM_DECLARE_CUDA(name) JAXNORM_DECLARE(cuda, name)
-JAXNORM_FFI_TARGETS(JAXNORM_DECLARE_CUDA)
+JAXNORM_CUDA_FFI_TARGETS(JAXNORM_DECLARE_CUDA)
 #endif
 
 namespace {
@@ -33,7 +33,7 @@ nb::dict cuda_targets() {
   nb::dict d;
 #ifdef JAXNORM_WITH_CUDA
 #define JAXNORM_ADD_CUDA(name) d[#name] = capsule(cuda_##name);
-  JAXNORM_FFI_TARGETS(JAXNORM_ADD_CUDA)
+  JAXNORM_CUDA_FFI_TARGETS(JAXNORM_ADD_CUDA)
 #endif
   return d;
 }

@@ -24,14 +24,22 @@ def floating_array(name: str, op: str, x) -> jnp.ndarray:
     return x
 
 
-def epsilon(op: str, value) -> float:
+def static_float(op: str, name: str, value) -> float:
+    """`value` as a finite Python float (a static argument, not a traced one)."""
     try:
-        eps = float(value)
+        out = float(value)
     except Exception as e:
         raise TypeError(
-            f"{op}: epsilon must be a static Python or NumPy float, got {type(value).__name__}"
+            f"{op}: {name} must be a static Python or NumPy float, got {type(value).__name__}"
         ) from e
-    if not math.isfinite(eps) or eps < 0:
+    if not math.isfinite(out):
+        raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+    return out
+
+
+def epsilon(op: str, value) -> float:
+    eps = static_float(op, "epsilon", value)
+    if eps < 0:
         raise ValueError(f"{op}: epsilon must be finite and >= 0, got {value!r}")
     return eps
 

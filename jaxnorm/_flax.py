@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import jax
 from flax.linen import dtypes
 
+from jaxnorm.channel_norm import _normalize as channel_normalize
+from jaxnorm.channel_norm import batch_norm
 from jaxnorm.row_norm import add_rms_norm, layer_norm, rms_norm
 
 UNSUPPORTED = """
@@ -87,3 +89,77 @@ def normalize(
                           axis_name=axis_name)
     return rms_norm(x, s, epsilon=epsilon, normalized_shape=norm_shape, dtype=out,
                     axis_name=axis_name)
+
+
+GROUP_NORM_UNSUPPORTED = """
+    Where the fields do not map onto jaxnorm's kernels, the module falls back
+    to Flax's own computation: a ``mask``, ``axis_index_groups``, reduction
+    axes that are not x's trailing axes from some axis after the first, or
+    invalid group fields (Flax's error then). Statistics are float32 (float64
+    for float64 inputs) and the variance is the exact two-pass one, whatever
+    ``use_fast_variance`` and ``force_float32_reductions`` say: equal to
+    Flax's results up to rounding. ``axis_name`` means what it means in Flax:
+    the reduced (spatial) dims are split over that mapped axis.
+"""
+
+BATCH_NORM_UNSUPPORTED = """
+    Where the fields do not map onto jaxnorm's kernels, the module falls back
+    to Flax's own computation: a ``mask``, ``axis_index_groups``, or several
+    feature axes. Batch statistics are float32 (float64 for float64 inputs)
+    with the exact two-pass variance, whatever ``use_fast_variance`` says, and
+    ``batch_stats`` ``mean``/``var`` are updated as Flax updates them. With
+    ``axis_name`` (inside ``shard_map``) the statistics are synchronized
+    across the devices of that axis by one all-gather of each device's
+    (count, mean, M2); under ``jit`` with the batch sharded, automatically.
+"""
+
+
+def group_lead_ndim(x, reduction_axes) -> int | None:
+    """Flax GroupNorm's batch dims: the axes before its reduction axes, which
+    must be x's trailing axes from some axis k >= 1 (the channels, the last
+    axis, among them); None where they are not."""
+    if x.ndim < 2:
+        return None
+    red = (tuple(range(1, x.ndim)) if reduction_axes is None
+           else _axes(x.ndim, reduction_axes))
+    k = red[0]
+    return k if k >= 1 and red == tuple(range(k, x.ndim)) else None
+
+
+def flax_num_groups(channels: int, num_groups, group_size) -> int | None:
+    """The number of groups Flax's GroupNorm fields give, None where they are
+    invalid (Flax's own code then raises its error)."""
+    if (num_groups is None) == (group_size is None):
+        return None
+    if group_size is not None:
+        return channels // group_size if group_size > 0 and channels % group_size == 0 else None
+    ok = isinstance(num_groups, int) and num_groups > 0 and channels % num_groups == 0
+    return num_groups if ok else None
+
+
+def group_normalize(x, scale, bias, *, lead_ndim, num_groups, epsilon, dtype, axis_name):
+    """Flax's GroupNorm over the channels (last axis) of x, on the kernels, in
+    Flax's output dtype."""
+    out = dtypes.canonicalize_dtype(*(a for a in (x, scale, bias) if a is not None), dtype=dtype)
+    return channel_normalize("GroupNorm", x, scale, bias, lead_ndim=lead_ndim, channel_axis=-1,
+                             group_size=x.shape[-1] // num_groups, epsilon=epsilon,
+                             activation=None, dtype=out, axis_name=axis_name)[0]
+
+
+def single_feature_axis(x, axis) -> int | None:
+    """Flax BatchNorm's feature axis where there is exactly one."""
+    if x.ndim == 0:
+        return None
+    axes = _axes(x.ndim, axis)
+    return axes[0] if len(axes) == 1 else None
+
+
+def batch_normalize(x, scale, bias, running_mean, running_var, *, use_running_average,
+                    momentum, epsilon, dtype, axis_name, axis):
+    """Flax's BatchNorm on the kernels, in Flax's output dtype: (y, new mean,
+    new var), the running statistics unchanged with ``use_running_average``."""
+    out = dtypes.canonicalize_dtype(*(a for a in (x, scale, bias) if a is not None), dtype=dtype)
+    return batch_norm(x, scale, bias, running_mean, running_var,
+                      training=not use_running_average, momentum=momentum, epsilon=epsilon,
+                      axis_name=axis_name, channel_axis=axis, dtype=out)
+

@@ -5,7 +5,7 @@ varying manual axes of operands inside `shard_map`.
 Each op has two layers of primitives. The user-facing one works on x of shape
 (*rows, *normalized) and is what jaxprs contain: it has the abstract eval, the
 vmap rule and the eager impl, and its lowering goes through automatic
-partitioning (`_partition.row_partitioned`). That lowering binds the kernel
+partitioning (`_partition.partitioned`). That lowering binds the kernel
 primitive, which sees the kernel's own (rows, hidden) operands on one device
 and lowers to the FFI handler, or to a jax.numpy reference of the same math on
 platforms without a compiled kernel (TPU, ROCm, a build without CUDA).
@@ -72,6 +72,7 @@ def define_row_primitive(
     row_outs: Sequence[bool],
     unsplit: Callable[..., Sequence[jax.Array]] | None = None,
     in_place: bool = False,
+    batched_params: Callable[[dict], dict] | None = None,
 ) -> Primitive:
     """A user-facing multiple-result primitive on x of shape (*rows, *normalized).
 
@@ -88,6 +89,8 @@ def define_row_primitive(
     `in_place` the lowering is emitted where the call is rather than as a
     cached function, so that kernel lowerings inside it see what produced
     their operands (`define_kernel_primitive`'s rewrite_operands).
+    `batched_params(params)` gives the parameters of the call that vmap binds
+    with its batch axis in front (where that axis changes what they mean).
     """
     prim = Primitive(TARGET_PREFIX + name)
     prim.multiple_results = True
@@ -104,7 +107,8 @@ def define_row_primitive(
     # as TransformerEngine's primitives use them too).
     dispatch.prim_requires_devices_during_lowering.add(prim)
     batching.primitive_batchers[prim] = functools.partial(
-        _batch_rows, prim, reference, tuple(row_args), tuple(row_outs)
+        _batch_rows, prim, reference, tuple(row_args), tuple(row_outs),
+        batched_params or (lambda params: params),
     )
     return prim
 
@@ -137,7 +141,7 @@ def _is_placeholder(a) -> bool:
     return tuple(a.shape) == (0,)
 
 
-def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
+def _batch_rows(prim, reference, row_args, row_outs, batched_params, args, dims, **params):
     not_mapped = getattr(batching, "not_mapped", None)
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
     ref_axes = tuple(None if d is not_mapped else d for d in dims)
@@ -154,7 +158,7 @@ def _batch_rows(prim, reference, row_args, row_outs, args, dims, **params):
         if row and not _is_placeholder(a):
             a = jnp.broadcast_to(a, (size, *a.shape)) if d is not_mapped else jnp.moveaxis(a, d, 0)
         moved.append(a)
-    outs = list(prim.bind(*moved, **params))
+    outs = list(prim.bind(*moved, **batched_params(params)))
     out_dims = []
     per_example = []
     for i, (o, row) in enumerate(zip(outs, row_outs)):
@@ -182,6 +186,14 @@ def like(aval, shape: tuple[int, ...], dtype, dims: Sequence[int | None]):
     new_spec = PartitionSpec(*(None if d is None else spec[d] for d in dims))
     sharding = aval.sharding.update(spec=new_spec)
     return aval.update(shape=shape, dtype=jnp.dtype(dtype), weak_type=False, sharding=sharding)
+
+
+def aval_of(x, dims: Sequence[int] | None, dtype):
+    """An aval of x's sizes on `dims` (None: the ``(0,)`` placeholder), split
+    as x is on them, with x's manual axes."""
+    if dims is None:
+        return like(x, (0,), dtype, (None,))
+    return like(x, tuple(x.shape[d] for d in dims), dtype, tuple(dims))
 
 
 def _varying_axes(x) -> frozenset:

@@ -1,4 +1,5 @@
-"""Flax linen drop-ins for ``flax.linen.RMSNorm`` and ``flax.linen.LayerNorm``.
+"""Flax linen drop-ins for ``flax.linen.RMSNorm``, ``LayerNorm``, ``GroupNorm``
+and ``BatchNorm``.
 
 Subclasses of Flax's modules: the same fields, defaults, parameter names,
 shapes, dtypes and initializers, so checkpoints move between the two
@@ -8,8 +9,21 @@ unchanged; only the computation runs on jaxnorm's kernels.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax.numpy as jnp
 
-from jaxnorm._flax import UNSUPPORTED, feature_shape, normalize, trailing_norm_ndim
+from jaxnorm._flax import (
+    BATCH_NORM_UNSUPPORTED,
+    GROUP_NORM_UNSUPPORTED,
+    UNSUPPORTED,
+    batch_normalize,
+    feature_shape,
+    flax_num_groups,
+    group_lead_ndim,
+    group_normalize,
+    normalize,
+    single_feature_axis,
+    trailing_norm_ndim,
+)
 
 
 def _apply(module, x, mask, *, centered, residual=None):
@@ -64,3 +78,52 @@ class AddRMSNorm(RMSNorm):
             h = (x + residual).astype(residual.dtype)
             return super().__call__(h, mask=mask), h
         return out
+
+
+class GroupNorm(nn.GroupNorm):
+    __doc__ = "jaxnorm's kernels behind ``flax.linen.GroupNorm``.\n" + GROUP_NORM_UNSUPPORTED
+
+    @nn.compact
+    def __call__(self, x, *, mask=None):
+        """x: (*batch, ..., C); returns y of x's shape."""
+        lead = group_lead_ndim(x, self.reduction_axes)
+        groups = flax_num_groups(x.shape[-1], self.num_groups, self.group_size) if x.ndim else None
+        if lead is None or groups is None or mask is not None or self.axis_index_groups:
+            return super().__call__(x, mask=mask)
+        shape = (x.shape[-1],)
+        scale = self.param("scale", self.scale_init, shape, self.param_dtype) if (
+            self.use_scale) else None
+        bias = self.param("bias", self.bias_init, shape, self.param_dtype) if (
+            self.use_bias) else None
+        return group_normalize(x, scale, bias, lead_ndim=lead, num_groups=groups,
+                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+
+
+class BatchNorm(nn.BatchNorm):
+    __doc__ = "jaxnorm's kernels behind ``flax.linen.BatchNorm``.\n" + BATCH_NORM_UNSUPPORTED
+
+    @nn.compact
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        """x: (..., C, ...) with the features on ``axis``; returns y of x's shape."""
+        axis = single_feature_axis(x, self.axis)
+        if axis is None or mask is not None or self.axis_index_groups is not None:
+            return super().__call__(x, use_running_average, mask=mask)
+        use_ra = nn.merge_param("use_running_average", self.use_running_average,
+                                use_running_average)
+        shape = (x.shape[axis],)
+        stats_dtype = jnp.float32 if self.force_float32_reductions else self.param_dtype
+        ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, stats_dtype), shape)
+        ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, stats_dtype), shape)
+        scale = self.param("scale", self.scale_init, shape, self.param_dtype) if (
+            self.use_scale) else None
+        bias = self.param("bias", self.bias_init, shape, self.param_dtype) if (
+            self.use_bias) else None
+        initializing = self.is_initializing()
+        y, mean, var = batch_normalize(
+            x, scale, bias, ra_mean.value, ra_var.value, use_running_average=use_ra,
+            momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
+            axis_name=None if initializing else self.axis_name, axis=axis)
+        if not use_ra and not initializing:  # Flax leaves the statistics at init
+            ra_mean.value, ra_var.value = mean, var
+        return y
+

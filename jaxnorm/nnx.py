@@ -1,4 +1,5 @@
-"""Flax NNX drop-ins for ``flax.nnx.RMSNorm`` and ``flax.nnx.LayerNorm``.
+"""Flax NNX drop-ins for ``flax.nnx.RMSNorm``, ``LayerNorm``, ``GroupNorm`` and
+``BatchNorm``.
 
 Subclasses of Flax's modules: the same constructor, fields, ``nnx.Param``
 names, shapes, dtypes and initializers, so states move between the two
@@ -7,9 +8,21 @@ unchanged; only the computation runs on jaxnorm's kernels.
 
 from __future__ import annotations
 
+import jax
 from flax import nnx
+from flax.nnx.module import first_from
 
-from jaxnorm._flax import UNSUPPORTED, normalize, trailing_norm_ndim
+from jaxnorm._flax import (
+    BATCH_NORM_UNSUPPORTED,
+    GROUP_NORM_UNSUPPORTED,
+    UNSUPPORTED,
+    batch_normalize,
+    group_lead_ndim,
+    group_normalize,
+    normalize,
+    single_feature_axis,
+    trailing_norm_ndim,
+)
 
 
 def _value(p):
@@ -64,3 +77,44 @@ class AddRMSNorm(RMSNorm):
             h = (x + residual).astype(residual.dtype)
             return super().__call__(h, mask=mask), h
         return out
+
+
+class GroupNorm(nnx.GroupNorm):
+    __doc__ = "jaxnorm's kernels behind ``flax.nnx.GroupNorm``.\n" + GROUP_NORM_UNSUPPORTED
+
+    def __call__(self, x, *, mask=None):
+        """x: (*batch, ..., num_features); returns y of x's shape."""
+        lead = group_lead_ndim(x, self.reduction_axes)
+        if lead is None or mask is not None or self.axis_index_groups is not None:
+            return super().__call__(x, mask=mask)
+        x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
+                                            dtype=self.dtype)
+        return group_normalize(x, scale, bias, lead_ndim=lead, num_groups=self.num_groups,
+                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+
+
+class BatchNorm(nnx.BatchNorm):
+    __doc__ = "jaxnorm's kernels behind ``flax.nnx.BatchNorm``.\n" + BATCH_NORM_UNSUPPORTED
+
+    def __call__(self, x, use_running_average=None, *, mask=None):
+        """x: (..., num_features, ...) with the features on ``axis``; returns y
+        of x's shape."""
+        axis = single_feature_axis(x, self.axis)
+        if axis is None or mask is not None or self.axis_index_groups is not None:
+            return super().__call__(x, use_running_average, mask=mask)
+        use_ra = first_from(use_running_average, self.use_running_average,
+                            error_msg="No `use_running_average` argument was provided to "
+                                      "BatchNorm (see flax.nnx.BatchNorm)")
+        x, _, _, scale, bias = self.promote_dtype(
+            (x, self.mean[...], self.var[...], _value(self.scale), _value(self.bias)),
+            dtype=self.dtype)
+        # The running statistics in their own (float32) dtype, as Flax updates them.
+        y, mean, var = batch_normalize(
+            x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra,
+            momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
+            axis_name=self.axis_name, axis=axis)
+        if not use_ra:
+            self.mean[...] = jax.lax.stop_gradient(mean)
+            self.var[...] = jax.lax.stop_gradient(var)
+        return y
+

@@ -35,34 +35,34 @@ from jax.interpreters import mlir
 from jaxnorm import _checks
 from jaxnorm._ffi import TARGET_PREFIX
 from jaxnorm._partition import (
-    ABSENT,
-    NORM,
-    ROWS,
-    ROWS_NORM,
+    REDUCED,
+    ROW,
     UNSHARDED,
-    RowLayout,
-    ShardAxes,
-    row_partitioned,
+    Layout,
+    lower_partitioned,
 )
 from jaxnorm._primitive import (
     _is_placeholder,
+    aval_of,
     define_kernel_primitive,
     define_row_primitive,
     like,
     match_varying,
     register_dce_rewrite,
 )
+from jaxnorm._stats import (
+    empty,
+    kernel_out_dtype,
+    manual_axes,
+    merge_moments,
+    or_empty,
+    param_dtype,
+    psum_concat,
+    stats_dtype,
+)
 
 Shape = Sequence[int] | int
 AxisName = str | tuple[str, ...]
-
-
-def _stats_dtype(dtype) -> np.dtype:
-    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
-
-
-def _empty(dtype) -> jax.Array:
-    return jnp.zeros((0,), dtype)
 
 
 # ------------------------------------------------ kernels: (rows, hidden)
@@ -72,7 +72,7 @@ def _fwd_kernel_abstract(x, scale, bias, residual, *, epsilon, centered, zero_ce
                          out_dtype, write_output, alias_residual):
     del epsilon, scale, bias, zero_centered, alias_residual
     rows, hidden = x.shape
-    stats = _stats_dtype(x.dtype)
+    stats = stats_dtype(x.dtype)
     y = like(x, (rows, hidden if write_output else 0), out_dtype, (0, 1))
     mean = like(x, (rows if centered else 0,), stats, (0,))
     rstd = like(x, (rows,), stats, (0,))
@@ -153,7 +153,7 @@ def _bwd_rows(x, scale, mean, rstd, dy, dres, centered, zero_centered, has_bias,
     dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres], g = dy * scale,
     with the mean(g) term only for LayerNorm.
     """
-    acc = _stats_dtype(x.dtype)
+    acc = stats_dtype(x.dtype)
     d = dy.astype(acc)
     xc = x.astype(acc) - mean[:, None] if centered else x.astype(acc)
     xhat = xc * rstd[:, None]
@@ -244,7 +244,7 @@ def _row_stats(x, axes, hidden_total, epsilon, centered):
     of sum and sum of squares) would cancel catastrophically for rows whose
     mean is large against their spread.
     """
-    acc = _stats_dtype(x.dtype)
+    acc = stats_dtype(x.dtype)
     xf = x.astype(acc)
     eps = jnp.asarray(epsilon, acc)
     if not centered:
@@ -255,18 +255,13 @@ def _row_stats(x, axes, hidden_total, epsilon, centered):
     mean = jnp.mean(xf, axis=-1)
     m2 = jnp.sum(jnp.square(xf - mean[:, None]), axis=-1)
     if axes:
-        parts = lax.all_gather(jnp.stack([mean, m2], axis=-1), axes)  # (slices, rows, 2)
-        means = parts[..., 0]
-        mean = jnp.mean(means, axis=0)  # slices have equal sizes
-        m2 = jnp.sum(parts[..., 1], axis=0) + x.shape[1] * jnp.sum(
-            jnp.square(means - mean), axis=0
-        )
+        _, mean, m2 = merge_moments(x.shape[1], mean, m2, axes)
     return xf, mean, lax.rsqrt(m2 / hidden_total + eps)
 
 
 def _add_residual(x, residual):
     """h = x + residual, rounded to x's dtype as the unfused sum would be."""
-    acc = _stats_dtype(x.dtype)
+    acc = stats_dtype(x.dtype)
     return (x.astype(acc) + residual.astype(acc)).astype(x.dtype)
 
 
@@ -310,7 +305,7 @@ def _fwd_local(x, scale, bias, residual, *, axes, kernel, norm_ndim, alias_resid
                                        hidden_total=hidden_total, **params)
     else:
         y2, mean, rstd, h2 = kernel(x2, s2, b2, r2, alias_residual=alias_residual, **params)
-    y = y2.reshape(x.shape) if params["write_output"] else _empty(y2.dtype)
+    y = y2.reshape(x.shape) if params["write_output"] else empty(y2.dtype)
     h = h2.reshape(x.shape) if residual.size else h2
     return y, mean.reshape(rows_shape) if mean.size else mean, rstd.reshape(rows_shape), h
 
@@ -335,19 +330,11 @@ def _bwd_local(x, scale, mean, rstd, dy, dres, *, axes, kernel, norm_ndim, epsil
                                     centered=centered, zero_centered=zero_centered,
                                     has_bias=has_bias, param_dtype=wide)
     if axes.rows:
-        dscale, dbias = _psum_concat(axes.rows, dscale, dbias)
+        dscale, dbias = psum_concat(axes.rows, dscale, dbias)
     norm_shape = x.shape[x.ndim - norm_ndim:]
     dscale = dscale.astype(scale.dtype).reshape(norm_shape if scale.size else (0,))
     dbias = dbias.astype(param_dtype).reshape(norm_shape if has_bias else (0,))
     return dx2.reshape(x.shape), dscale, dbias
-
-
-def _psum_concat(axes, *arrays):
-    """psum of 1-D arrays as one all-reduce."""
-    dtype = jnp.result_type(*arrays)
-    total = lax.psum(jnp.concatenate([a.astype(dtype) for a in arrays]), axes)
-    splits = np.cumsum([a.shape[0] for a in arrays])[:-1]
-    return jnp.split(total, splits)
 
 
 # ------------------------------------------- user-facing: (*rows, *norm)
@@ -357,47 +344,44 @@ def _op_name(centered):
     return "layer_norm" if centered else "rms_norm"
 
 
-def _param_layout(p):
-    return NORM if p.size else ABSENT
-
-
 def _lower(local, layout, args, params):
-    """Lower through automatic partitioning: `local` runs on each device's block."""
-    return _partitioned(local, layout, tuple(sorted(params.items())))(*args)
+    op = _op_name(params["centered"])
+    return lower_partitioned(op, local, layout, args, params)
 
 
-@functools.cache
-def _partitioned(local, layout, params):
-    op = _op_name(dict(params)["centered"])
-    return row_partitioned(op, layout, functools.partial(local, **dict(params)))
+def _layout(x, norm_ndim, ins, outs) -> Layout:
+    """Rows (the leading dims) are independent; the normalized dims are
+    reduced over. ins/outs name each array's dims: "x", "norm", "rows" or
+    None."""
+    cut = x.ndim - norm_ndim
+    dims = {"x": tuple(range(x.ndim)), "rows": tuple(range(cut)),
+            "norm": tuple(range(cut, x.ndim)), None: None}
+    return Layout(roles=(ROW,) * cut + (REDUCED,) * norm_ndim,
+                  ins=tuple(dims[k] for k in ins), outs=tuple(dims[k] for k in outs))
 
 
-def _rows_layout(a):
-    return ABSENT if _is_placeholder(a) else ROWS_NORM
+def _x_or_none(a):
+    return None if _is_placeholder(a) else "x"
+
+
+def _norm_or_none(a):
+    return None if _is_placeholder(a) else "norm"
 
 
 def _fwd_layout(x, scale, bias, residual, *, norm_ndim, centered, write_output, **_):
-    return RowLayout(
-        ins=(ROWS_NORM, _param_layout(scale), _param_layout(bias), _rows_layout(residual)),
-        outs=(ROWS_NORM if write_output else ABSENT, ROWS if centered else ABSENT, ROWS,
-              _rows_layout(residual)),
-        row_ndim=x.ndim - norm_ndim,
-        norm_ndim=norm_ndim,
+    return _layout(
+        x, norm_ndim,
+        ins=("x", _norm_or_none(scale), _norm_or_none(bias), _x_or_none(residual)),
+        outs=("x" if write_output else None, "rows" if centered else None, "rows",
+              _x_or_none(residual)),
     )
 
 
 def _fwd_abstract(x, scale, bias, residual, **params):
     layout = _fwd_layout(x, scale, bias, residual, **params)
-    stats = _stats_dtype(x.dtype)
+    stats = stats_dtype(x.dtype)
     dtypes = (params["out_dtype"], stats, stats, x.dtype)
-    return tuple(_aval(x, layout, kind, dt) for kind, dt in zip(layout.outs, dtypes))
-
-
-def _aval(x, layout, kind, dtype):
-    dims = layout.dims(kind)
-    if kind == ABSENT:
-        return like(x, (0,), dtype, (None,))
-    return like(x, tuple(x.shape[d] for d in dims), dtype, dims)
+    return tuple(aval_of(x, dims, dt) for dims, dt in zip(layout.outs, dtypes))
 
 
 _fwd_on_device = functools.partial(_fwd_local, kernel=row_norm_fwd_kernel_p.bind)
@@ -429,12 +413,11 @@ register_dce_rewrite(
 
 
 def _bwd_layout(x, scale, mean, dres, *, norm_ndim, has_bias, **_):
-    return RowLayout(
-        ins=(ROWS_NORM, _param_layout(scale), ROWS if mean.size else ABSENT, ROWS, ROWS_NORM,
-             _rows_layout(dres)),
-        outs=(ROWS_NORM, _param_layout(scale), NORM if has_bias else ABSENT),
-        row_ndim=x.ndim - norm_ndim,
-        norm_ndim=norm_ndim,
+    return _layout(
+        x, norm_ndim,
+        ins=("x", _norm_or_none(scale), "rows" if mean.size else None, "rows", "x",
+             _x_or_none(dres)),
+        outs=("x", _norm_or_none(scale), "norm" if has_bias else None),
     )
 
 
@@ -442,7 +425,7 @@ def _bwd_abstract(x, scale, mean, rstd, dy, dres, **params):
     del rstd, dy
     layout = _bwd_layout(x, scale, mean, dres, **params)
     dtypes = (x.dtype, scale.dtype, params["param_dtype"])
-    return tuple(_aval(x, layout, kind, dt) for kind, dt in zip(layout.outs, dtypes))
+    return tuple(aval_of(x, dims, dt) for dims, dt in zip(layout.outs, dtypes))
 
 
 _bwd_on_device = functools.partial(_bwd_local, kernel=row_norm_bwd_kernel_p.bind)
@@ -479,18 +462,14 @@ class _Config(NamedTuple):
     axis_name: tuple        # shard_map axes that split the normalized dims
 
 
-def _or_empty(p, dtype):
-    return _empty(dtype) if p is None else p
-
-
 def _row_norm_fwd(x, scale, bias, residual, cfg: _Config, alias_residual=False):
-    scale_, bias_ = _or_empty(scale, cfg.param_dtype), _or_empty(bias, cfg.param_dtype)
-    res_ = _or_empty(residual, x.dtype)
+    scale_, bias_ = or_empty(scale, cfg.param_dtype), or_empty(bias, cfg.param_dtype)
+    res_ = or_empty(residual, x.dtype)
     params = dict(epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
                   out_dtype=cfg.out_dtype, write_output=True, norm_ndim=cfg.norm_ndim,
                   alias_residual=alias_residual)
     if cfg.axis_name:
-        y, mean, rstd, h = _fwd_local(x, scale_, bias_, res_, axes=_manual_axes(cfg.axis_name),
+        y, mean, rstd, h = _fwd_local(x, scale_, bias_, res_, axes=manual_axes(cfg.axis_name),
                                       kernel=None, **params)
     else:
         y, mean, rstd, h = row_norm_fwd_p.bind(x, scale_, bias_, res_, **params)
@@ -501,25 +480,18 @@ def _row_norm_fwd(x, scale, bias, residual, cfg: _Config, alias_residual=False):
 def _row_norm_bwd(cfg: _Config, res, cotangents):
     x, scale, mean, rstd = res
     dy, dh = cotangents
-    scale_ = _or_empty(scale, cfg.param_dtype)
+    scale_ = or_empty(scale, cfg.param_dtype)
     params = dict(epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
                   has_bias=cfg.has_bias, param_dtype=cfg.param_dtype, norm_ndim=cfg.norm_ndim)
     if cfg.axis_name:
         dx, dscale, dbias = _bwd_local(x, scale_, mean, rstd, dy, dh,
-                                       axes=_manual_axes(cfg.axis_name), kernel=None, **params)
+                                       axes=manual_axes(cfg.axis_name), kernel=None, **params)
     else:
         dx, dscale, dbias = row_norm_bwd_p.bind(x, scale_, mean, rstd, dy, dh, **params)
     # With a residual, x and residual get the same gradient, dh (its shape
     # (0,) says there is none).
     return (dx, None if scale is None else dscale, dbias if cfg.has_bias else None,
             None if _is_placeholder(dh) else dx)
-
-
-def _manual_axes(axis_name) -> ShardAxes:
-    """Inside shard_map: the normalized dims split over `axis_name`; the row
-    axes need no psum here, since shard_map's own transposes sum a replicated
-    scale's gradient over the devices that hold different rows."""
-    return ShardAxes((), axis_name, math.prod(lax.axis_size(a) for a in axis_name))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -557,17 +529,13 @@ def _row_norm(op, x, scale, bias, *, epsilon, normalized_shape, dtype, centered,
     out_dtype = _checks.output_dtype(op, dtype, x.dtype)
     axes = _checks.axis_name(op, axis_name)
 
-    f32 = jnp.dtype(jnp.float32)
-    given = [p for p in (scale, bias) if p is not None]
-    param_dtype = jnp.dtype(given[0].dtype) if given else jnp.dtype(x.dtype)
-    if param_dtype not in (x.dtype, f32) or any(p.dtype != param_dtype for p in given):
-        param_dtype = f32
-    kernel_out = out_dtype if out_dtype in (x.dtype, f32) else f32
-    cfg = _Config(eps, centered, bool(zero_centered) and scale is not None, kernel_out,
-                  param_dtype, bias is not None, len(norm_shape), axes)
+    params_dt = param_dtype(x.dtype, scale, bias)
+    cfg = _Config(eps, centered, bool(zero_centered) and scale is not None,
+                  kernel_out_dtype(x.dtype, out_dtype), params_dt, bias is not None,
+                  len(norm_shape), axes)
 
     def cast(p):
-        return None if p is None else p.astype(param_dtype)
+        return None if p is None else p.astype(params_dt)
 
     # Row dims: at least one, so per-row statistics are arrays.
     def with_rows(a):
@@ -585,9 +553,9 @@ def _row_norm(op, x, scale, bias, *, epsilon, normalized_shape, dtype, centered,
 def _zero_size_output(x, scale, bias, residual, cfg):
     """The forward of an empty x, differentiable (to zero gradients) in jnp."""
     rows_shape, x2 = _flat_rows(x, cfg.norm_ndim)
-    r2 = _empty(x.dtype) if residual is None else residual.reshape(x2.shape)
+    r2 = empty(x.dtype) if residual is None else residual.reshape(x2.shape)
     y2, _, _, h2 = _fwd_kernel_reference(
-        x2, _flat(_or_empty(scale, cfg.param_dtype)), _flat(_or_empty(bias, cfg.param_dtype)),
+        x2, _flat(or_empty(scale, cfg.param_dtype)), _flat(or_empty(bias, cfg.param_dtype)),
         r2, epsilon=cfg.epsilon, centered=cfg.centered, zero_centered=cfg.zero_centered,
         out_dtype=cfg.out_dtype, write_output=True, alias_residual=False,
     )

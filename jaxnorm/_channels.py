@@ -1,0 +1,129 @@
+"""What the channel ops share: the channel axis and the views of x around it,
+and the primitives of the ops that work along the channels at each position
+(local response normalization, the channel softmax).
+
+A channel op's x has one channel axis, kept as a negative index so that vmap,
+which adds leading axes, leaves it alone. The kernels see x as (N, A, C, B):
+N the product of the op's independent leading dims, C the channels, A and B
+the products of the dims before and after C.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxnorm._partition import ROW, WHOLE, Layout, lower_partitioned
+from jaxnorm._primitive import aval_of, define_kernel_primitive, define_row_primitive, like
+
+
+def channel_axis(op: str, x, axis, *, lead_ndim: int = 0) -> int:
+    """`axis` of x checked and as a negative index; it may not be one of the
+    `lead_ndim` leading (batch) axes."""
+    if not isinstance(axis, int | np.integer) or isinstance(axis, bool):
+        raise TypeError(f"{op}: channel_axis must be an int, got {axis!r}")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(
+            f"{op}: channel_axis {axis} is out of range for x of shape {tuple(x.shape)}"
+        )
+    if axis % x.ndim < lead_ndim:
+        raise ValueError(
+            f"{op}: channel_axis {axis} is the batch axis of x of shape {tuple(x.shape)}; "
+            "the channels must come after it"
+        )
+    return int(axis % x.ndim - x.ndim)
+
+
+def view(x, lead_ndim: int, axis: int):
+    """x as (N, A, C, B) for `lead_ndim` leading dims and channel axis `axis`."""
+    c = x.ndim + axis
+    shape = x.shape
+    return x.reshape(math.prod(shape[:lead_ndim]), math.prod(shape[lead_ndim:c]), shape[c],
+                     math.prod(shape[c + 1:]))
+
+
+# ------------------------------------------------- along-channel ops
+
+
+def _along_layout(x, axis, n_in):
+    """Every dim independent but the channels, which the op needs whole."""
+    roles = [ROW] * x.ndim
+    roles[x.ndim + axis] = WHOLE
+    every = tuple(range(x.ndim))
+    return Layout(roles=tuple(roles), ins=(every,) * n_in, outs=(every,))
+
+
+def define_along_channels(
+    name: str,
+    *,
+    fwd_reference: Callable,
+    bwd_reference: Callable,
+    attributes: Callable[..., dict],
+    saves_output: bool,
+) -> Callable:
+    """The differentiable op `apply(x, axis, **attrs)` of the FFI targets
+    `<name>_fwd` (x -> y) and `<name>_bwd` ((x or y, dy) -> dx), which work
+    along the channels at each position of x viewed as (M, C, B). The
+    references are the same math in jax.numpy on (M, C, B); `saves_output`:
+    the backward takes y rather than x. x is never split on its channel axis
+    (a sharded one is gathered)."""
+
+    def kernel(suffix, reference):
+        return define_kernel_primitive(
+            f"{name}_{suffix}",
+            abstract_eval=lambda x, *_, **__: (like(x, x.shape, x.dtype, (0, 1, 2)),),
+            reference=lambda *a, **p: (reference(*a, **p),),
+            attributes=attributes,
+        )
+
+    references = {"fwd": fwd_reference, "bwd": bwd_reference}
+    kernels = {k: kernel(k, ref) for k, ref in references.items()}
+
+    def local(*arrays, axes, kernel, axis, **attrs):
+        del axes  # the channels are whole on every device; every other dim is free
+        x = arrays[0]
+        views = [view(a, 0, axis)[0] for a in arrays]
+        return [kernel(*views, **attrs)[0].reshape(x.shape)]
+
+    def user_primitive(suffix, n_in):
+        on_device = functools.partial(local, kernel=kernels[suffix].bind)
+
+        def lower(*arrays, **params):
+            layout = _along_layout(arrays[0], params["axis"], n_in)
+            return lower_partitioned(name, on_device, layout, arrays, params)
+
+        def reference(*arrays, **params):
+            def by_reference(*views, **attrs):
+                return (references[suffix](*views, **attrs),)
+
+            return local(*arrays, axes=None, kernel=by_reference, **params)
+
+        return define_row_primitive(
+            f"{name}_{suffix}",
+            abstract_eval=lambda x, *_, **__: (aval_of(x, tuple(range(x.ndim)), x.dtype),),
+            reference=reference,
+            lower=lower,
+            unsplit=functools.partial(on_device, axes=None),
+            row_args=(True,) * n_in,
+            row_outs=(True,),
+        )
+
+    fwd_p, bwd_p = user_primitive("fwd", 1), user_primitive("bwd", 2)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def apply(x, axis, attrs):
+        return fwd_p.bind(x, axis=axis, **dict(attrs))[0]
+
+    def apply_fwd(x, axis, attrs):
+        y = fwd_p.bind(x, axis=axis, **dict(attrs))[0]
+        return y, (y if saves_output else x)
+
+    def apply_bwd(axis, attrs, saved, dy):
+        return (bwd_p.bind(saved, dy, axis=axis, **dict(attrs))[0],)
+
+    apply.defvjp(apply_fwd, apply_bwd)
+    return apply

@@ -1,0 +1,671 @@
+"""GroupNorm, InstanceNorm and BatchNorm: normalization over groups of
+channels, with one forward and one backward primitive for all three.
+
+x has a channel axis; the dims before it are `lead_ndim` independent leading
+dims (GroupNorm's and InstanceNorm's samples; none for BatchNorm, whose
+statistics span the batch; vmap adds one) and the rest. Each group of
+`group_size` consecutive channels of each leading index has a mean and a
+biased variance over everything else (the kernels' (N, A, C, B) view:
+`_channels.view`). GroupNorm has C / group_size groups, InstanceNorm and
+BatchNorm one a channel.
+
+    y = act((x - mean) * rsqrt(var + epsilon) * scale + bias),  act: none or SiLU
+
+The forward returns the statistics; the backward reads x and them (and scale
+and bias, to recompute SiLU's input). Given statistics (BatchNorm's running
+averages, in evaluation), the forward only normalizes, and the backward takes
+them as constants.
+
+Split over devices, the reduced dims (A and B) combine per-device statistics
+with one all-gather of (count, mean, M2) a group, merged with Chan's formula
+(`_stats.merge_moments`), and the backward's per-group sums with one
+all-reduce (with the parameter gradients); leading dims need only the
+parameter gradients summed; the channels are split in whole groups and need
+nothing. Each of the two launches (statistics, then normalization; sums,
+then dx) is a kernel.
+
+Dtype rule as the row norms': statistics in float32 (float64 for float64 x),
+output in x's dtype unless `dtype` is given, scale and bias read in x's dtype
+or float32 (other dtypes are cast to float32), gradients in each argument's
+dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxnorm import _checks
+from jaxnorm._channels import channel_axis as _channel_axis
+from jaxnorm._channels import view
+from jaxnorm._partition import FREE, REDUCED, ROW, UNSHARDED, Layout, lower_partitioned
+from jaxnorm._primitive import (
+    _is_placeholder,
+    aval_of,
+    define_kernel_primitive,
+    define_row_primitive,
+    like,
+    match_varying,
+)
+from jaxnorm._stats import (
+    empty,
+    kernel_out_dtype,
+    manual_axes,
+    merge_moments,
+    or_empty,
+    param_dtype,
+    psum_concat,
+    stats_dtype,
+)
+
+AxisName = str | tuple[str, ...]
+
+# ------------------------------------------ kernels: x as (N, A, C, B)
+
+
+def _groups(x4, group_size):
+    """x (N, A, C, B) in the statistics dtype as (N, A, G, group_size, B)."""
+    n, a, c, b = x4.shape
+    return x4.astype(stats_dtype(x4.dtype)).reshape(n, a, c // group_size, group_size, b)
+
+
+def _per_channel(stat, group_size):
+    """A (N, G) statistic broadcast against (N, A, C, B)."""
+    return jnp.repeat(stat, group_size, axis=1)[:, None, :, None]
+
+
+def _xhat(x4, mean, var, group_size, epsilon):
+    acc = stats_dtype(x4.dtype)
+    rstd = lax.rsqrt(var + jnp.asarray(epsilon, acc))
+    return (x4.astype(acc) - _per_channel(mean, group_size)) * _per_channel(rstd, group_size)
+
+
+def _affine(xhat, scale, bias):
+    w = scale.astype(xhat.dtype)[None, None, :, None] if scale.size else 1
+    b = bias.astype(xhat.dtype)[None, None, :, None] if bias.size else 0
+    return xhat * w + b
+
+
+def _fwd_kernel_abstract(x, scale, bias, mean, var, *, group_size, out_dtype, write_output,
+                         **_):
+    del scale, bias, var
+    n, _, c, _ = x.shape
+    stats = stats_dtype(x.dtype)
+    y = like(x, x.shape if write_output else (0,), out_dtype,
+             (0, 1, 2, 3) if write_output else (None,))
+    given = not _is_placeholder(mean)
+    stat = like(x, (0,) if given else (n, c // group_size), stats, (None,) if given else (0, 2))
+    return y, stat, stat
+
+
+def _fwd_kernel_reference(x, scale, bias, mean, var, *, group_size, epsilon, silu, out_dtype,
+                          write_output):
+    given = not _is_placeholder(mean)
+    stats = stats_dtype(x.dtype)
+    if not given:
+        xg = _groups(x, group_size)
+        mean = jnp.mean(xg, axis=(1, 3, 4))
+        var = jnp.mean(jnp.square(xg - mean[:, None, :, None, None]), axis=(1, 3, 4))
+    out_stats = (empty(stats), empty(stats)) if given else (mean, var)
+    if not write_output:
+        return (empty(out_dtype), *out_stats)
+    z = _affine(_xhat(x, mean, var, group_size, epsilon), scale, bias)
+    y = z * jax.nn.sigmoid(z) if silu else z
+    return (y.astype(out_dtype), *out_stats)
+
+
+def _attributes(*, group_size, epsilon, silu, **_):
+    return {"group_size": np.int64(group_size), "epsilon": np.float64(epsilon),
+            "silu": np.bool_(silu)}
+
+
+channel_norm_fwd_kernel_p = define_kernel_primitive(
+    "channel_norm_fwd",
+    abstract_eval=_fwd_kernel_abstract,
+    reference=_fwd_kernel_reference,
+    attributes=_attributes,
+)
+
+
+def _bwd_kernel_abstract(x, scale, bias, mean, var, dy, means, *, group_size, mode,
+                         param_grads, param_dtype, **_):
+    del mean, var, dy, means
+    n, _, c, _ = x.shape
+    dx = like(x, x.shape, x.dtype, (0, 1, 2, 3)) if mode != "sums" else aval_of(x, None, x.dtype)
+
+    def grad_of(p):
+        return like(x, (c,), param_dtype, (2,)) if p.size and param_grads else aval_of(
+            x, None, param_dtype)
+
+    sums = (like(x, (n, c // group_size, 2), stats_dtype(x.dtype), (0, 2, None))
+            if mode == "sums" else aval_of(x, None, stats_dtype(x.dtype)))
+    return dx, grad_of(scale), grad_of(bias), sums
+
+
+def _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, silu):
+    """xhat and dy through SiLU's derivative, in the statistics dtype."""
+    xhat = _xhat(x, mean, var, group_size, epsilon)
+    d = dy.astype(xhat.dtype)
+    if silu:
+        z = _affine(xhat, scale, bias)
+        s = jax.nn.sigmoid(z)
+        d = d * s * (1 + z * (1 - s))
+    return xhat, d
+
+
+def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, epsilon, silu,
+                          mode, param_grads, param_dtype):
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) over each group,
+    g = dy' * scale; mode "full" computes the means, "sums" returns their sums
+    (no dx), "dx" takes them."""
+    n, a, c, b = x.shape
+    xhat, d = _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, silu)
+    g = d * scale.astype(d.dtype)[None, None, :, None] if scale.size else d
+
+    def group_sum(v):
+        return jnp.sum(v.reshape(n, a, c // group_size, group_size, b), axis=(1, 3, 4))
+
+    sums = jnp.stack([group_sum(g), group_sum(g * xhat)], axis=-1)
+    dscale = jnp.sum(d * xhat, axis=(0, 1, 3)) if scale.size and param_grads else empty(d.dtype)
+    dbias = jnp.sum(d, axis=(0, 1, 3)) if bias.size and param_grads else empty(d.dtype)
+    grads = (dscale.astype(param_dtype), dbias.astype(param_dtype))
+    if mode == "sums":
+        return (empty(x.dtype), *grads, sums)
+    if mode == "full":
+        means = sums / (a * group_size * b)
+    rstd = lax.rsqrt(var + jnp.asarray(epsilon, var.dtype))
+    dx = _per_channel(rstd, group_size) * (
+        g - _per_channel(means[..., 0], group_size) - xhat * _per_channel(means[..., 1],
+                                                                          group_size))
+    return (dx.astype(x.dtype), *grads, empty(sums.dtype))
+
+
+channel_norm_bwd_kernel_p = define_kernel_primitive(
+    "channel_norm_bwd",
+    abstract_eval=_bwd_kernel_abstract,
+    reference=_bwd_kernel_reference,
+    attributes=_attributes,
+)
+
+
+# ---------------------------------------------- per device: x as given
+#
+# Outside the kernels the statistics have one entry per channel (each group's
+# repeated over its channels), shaped (*leading dims, C): then every array's
+# dims are x's own, which the partitioner splits alike. BatchNorm's and
+# InstanceNorm's groups are single channels, so for them this costs nothing.
+
+
+def _per_channel_stats(stat, x, lead_ndim, group_size):
+    """A kernel's (N, G) statistic as (*leading dims, C)."""
+    if group_size > 1:
+        stat = jnp.repeat(stat, group_size, axis=1)
+    return stat.reshape(tuple(x.shape[:lead_ndim]) + (stat.shape[1],))
+
+
+def _per_group_stats(stat, n, group_size):
+    """A (*leading dims, C) statistic as the kernels' (N, G)."""
+    stat = stat.reshape(n, -1)
+    return stat[:, ::group_size] if group_size > 1 else stat
+
+
+def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, group_size,
+               **params):
+    """The forward on one device's block: the kernel computes the statistics
+    and normalizes; with the reduced dims split, it computes this block's
+    statistics, one all-gather merges them, and a second launch normalizes."""
+    x4 = view(x, lead_ndim, axis)
+    n, a, _, b = x4.shape
+    run = functools.partial(kernel, group_size=group_size, **params)
+    stats = stats_dtype(x.dtype)
+    if not _is_placeholder(mean):  # given
+        y, _, _ = run(x4, scale, bias, _per_group_stats(mean, n, group_size),
+                      _per_group_stats(var, n, group_size), write_output=True)
+        return y.reshape(x.shape), empty(stats), empty(stats)
+    none = empty(stats)
+    if axes.hidden:
+        _, m, v = run(x4, scale, bias, none, none, write_output=False)
+        count = a * group_size * b
+        total, m, m2 = merge_moments(count, m, v * count, axes.hidden, invariant=axes.manual)
+        v = m2 / total
+        y, _, _ = run(x4, scale, bias, m, v, write_output=True)
+    else:
+        y, m, v = run(x4, scale, bias, none, none, write_output=True)
+    return (y.reshape(x.shape), _per_channel_stats(m, x, lead_ndim, group_size),
+            _per_channel_stats(v, x, lead_ndim, group_size))
+
+
+def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, group_size,
+               epsilon, silu, frozen, param_dtype):
+    """The backward on one device's block. With the reduced dims split, a
+    first launch returns this block's per-group sums, one all-reduce adds them
+    up (with the parameter gradients) and a second launch writes dx. Frozen
+    (given) statistics have no gradient: the group means are zero."""
+    x4, dy4 = view(x, lead_ndim, axis), view(dy, lead_ndim, axis)
+    n, a, c, b = x4.shape
+    groups = c // group_size
+    m2, v2 = _per_group_stats(mean, n, group_size), _per_group_stats(var, n, group_size)
+    # Partial sums travel in float32 (float64 for float64 parameters).
+    param_axes = axes.param_axes()
+    wide = jnp.promote_types(param_dtype, jnp.float32) if param_axes else param_dtype
+    s, bi = scale.astype(wide), bias.astype(wide)
+    run = functools.partial(kernel, x4, s, bi, m2, v2, dy4, group_size=group_size,
+                            epsilon=epsilon, silu=silu, param_dtype=wide)
+    stats = stats_dtype(x.dtype)
+    if frozen:
+        zero = jnp.zeros((n, groups, 2), stats)
+        dx, dscale, dbias, _ = run(zero, mode="dx", param_grads=True)
+    elif not axes.hidden:
+        dx, dscale, dbias, _ = run(empty(stats), mode="full", param_grads=True)
+    else:
+        _, dscale, dbias, sums = run(empty(stats), mode="sums", param_grads=True)
+        if param_axes == axes.hidden:  # one all-reduce for all three
+            sums, dscale, dbias = psum_concat(axes.hidden, sums, dscale, dbias)
+            param_axes = ()
+        else:
+            sums = lax.psum(sums, axes.hidden)
+        means = sums / (a * group_size * b * axes.hidden_shards)
+        dx, _, _, _ = run(means, mode="dx", param_grads=False)
+    if param_axes:
+        dscale, dbias = psum_concat(param_axes, dscale, dbias)
+    return dx.reshape(x.shape), dscale.astype(param_dtype), dbias.astype(param_dtype)
+
+
+# ------------------------------------------- user-facing: x as given
+
+
+def _layout(x, lead_ndim, axis, group_size, ins, outs) -> Layout:
+    """Leading dims independent, channels split in whole groups, the rest
+    reduced over. ins/outs name each array's dims: "x", "channels", "stats"
+    (the leading dims, then the channels) or None."""
+    c = x.ndim + axis
+    roles = [ROW] * lead_ndim + [REDUCED] * (x.ndim - lead_ndim)
+    roles[c] = FREE
+    quanta = [1] * x.ndim
+    quanta[c] = group_size
+    dims = {"x": tuple(range(x.ndim)), "channels": (c,),
+            "stats": tuple(range(lead_ndim)) + (c,), None: None}
+    return Layout(roles=tuple(roles), ins=tuple(dims[k] for k in ins),
+                  outs=tuple(dims[k] for k in outs), quanta=tuple(quanta))
+
+
+def _param_or_none(p):
+    return None if _is_placeholder(p) else "channels"
+
+
+def _stats_or_none(p):
+    return None if _is_placeholder(p) else "stats"
+
+
+def _fwd_layout(x, scale, bias, mean, *, lead_ndim, axis, group_size, **_):
+    given = not _is_placeholder(mean)
+    stats = None if given else "stats"
+    return _layout(x, lead_ndim, axis, group_size,
+                   ins=("x", _param_or_none(scale), _param_or_none(bias), _stats_or_none(mean),
+                        _stats_or_none(mean)),
+                   outs=("x", stats, stats))
+
+
+def _fwd_abstract(x, scale, bias, mean, var, *, lead_ndim, axis, out_dtype, **_):
+    del scale, bias, var
+    stats = stats_dtype(x.dtype)
+    y = aval_of(x, tuple(range(x.ndim)), out_dtype)
+    if not _is_placeholder(mean):
+        return y, aval_of(x, None, stats), aval_of(x, None, stats)
+    stat = aval_of(x, tuple(range(lead_ndim)) + (x.ndim + axis,), stats)
+    return y, stat, stat
+
+
+def _lower(local, layout, args, params):
+    return lower_partitioned("channel_norm", local, layout, args, params)
+
+
+def _fwd_lower(x, scale, bias, mean, var, **params):
+    layout = _fwd_layout(x, scale, bias, mean, **params)
+    return _lower(_fwd_on_device, layout, (x, scale, bias, mean, var), params)
+
+
+def _with_leading_dim(params):
+    """vmap's batch axis, in front, is one more independent leading dim."""
+    return dict(params, lead_ndim=params["lead_ndim"] + 1)
+
+
+_fwd_on_device = functools.partial(_fwd_local, kernel=channel_norm_fwd_kernel_p.bind)
+
+channel_norm_fwd_p = define_row_primitive(
+    "channel_norm_fwd",
+    abstract_eval=_fwd_abstract,
+    reference=functools.partial(_fwd_local, axes=UNSHARDED, kernel=_fwd_kernel_reference),
+    lower=_fwd_lower,
+    unsplit=functools.partial(_fwd_on_device, axes=UNSHARDED),
+    row_args=(True, False, False, True, True),
+    row_outs=(True, True, True),
+    batched_params=_with_leading_dim,
+)
+
+
+def _bwd_layout(x, scale, bias, *, lead_ndim, axis, group_size, **_):
+    return _layout(x, lead_ndim, axis, group_size,
+                   ins=("x", _param_or_none(scale), _param_or_none(bias), "stats", "stats", "x"),
+                   outs=("x", _param_or_none(scale), _param_or_none(bias)))
+
+
+def _bwd_abstract(x, scale, bias, mean, var, dy, *, axis, param_dtype, **_):
+    del mean, var, dy
+
+    def grad_of(p):  # split as x's channels
+        return aval_of(x, None if _is_placeholder(p) else (x.ndim + axis,), param_dtype)
+
+    return aval_of(x, tuple(range(x.ndim)), x.dtype), grad_of(scale), grad_of(bias)
+
+
+def _bwd_lower(x, scale, bias, mean, var, dy, **params):
+    layout = _bwd_layout(x, scale, bias, **params)
+    return _lower(_bwd_on_device, layout, (x, scale, bias, mean, var, dy), params)
+
+
+_bwd_on_device = functools.partial(_bwd_local, kernel=channel_norm_bwd_kernel_p.bind)
+
+channel_norm_bwd_p = define_row_primitive(
+    "channel_norm_bwd",
+    abstract_eval=_bwd_abstract,
+    reference=functools.partial(_bwd_local, axes=UNSHARDED, kernel=_bwd_kernel_reference),
+    lower=_bwd_lower,
+    unsplit=functools.partial(_bwd_on_device, axes=UNSHARDED),
+    row_args=(True, False, False, True, True, True),
+    row_outs=(True, False, False),
+    batched_params=_with_leading_dim,
+)
+
+
+# ------------------------------------------------------------ autodiff
+
+
+class _Config(NamedTuple):
+    lead_ndim: int
+    axis: int              # the channel axis, negative
+    group_size: int
+    epsilon: float
+    silu: bool
+    out_dtype: np.dtype    # what the kernel writes: x's dtype or float32
+    param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
+    given: bool            # statistics given (BatchNorm's evaluation), not computed
+    axis_name: tuple       # shard_map axes that split the reduced dims
+
+    def kernel_params(self):
+        return dict(lead_ndim=self.lead_ndim, axis=self.axis, group_size=self.group_size,
+                    epsilon=self.epsilon, silu=self.silu)
+
+
+def _forward(x, scale, bias, mean, var, cfg: _Config):
+    params = dict(cfg.kernel_params(), out_dtype=cfg.out_dtype)
+    if cfg.axis_name:
+        return _fwd_local(x, scale, bias, mean, var, axes=manual_axes(cfg.axis_name),
+                          kernel=channel_norm_fwd_kernel_p.bind, **params)
+    return channel_norm_fwd_p.bind(x, scale, bias, mean, var, **params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _channel_norm(x, scale, bias, mean, var, cfg: _Config):
+    """(y, batch mean, batch variance); with given statistics (cfg.given) the
+    statistics returned are placeholders."""
+    return tuple(_forward(x, scale, bias, mean, var, cfg))
+
+
+def _channel_norm_fwd(x, scale, bias, mean, var, cfg):
+    y, m, v = _forward(x, scale, bias, mean, var, cfg)
+    stats = (mean, var) if cfg.given else (m, v)
+    return (y, m, v), (x, scale, bias, *stats)
+
+
+def _channel_norm_bwd(cfg, res, cotangents):
+    """The statistics returned are not differentiated (their cotangents are
+    dropped), and given statistics are constants (no gradient)."""
+    x, scale, bias, mean, var = res
+    params = dict(cfg.kernel_params(), frozen=cfg.given, param_dtype=cfg.param_dtype)
+    if cfg.axis_name:
+        dx, dscale, dbias = _bwd_local(x, scale, bias, mean, var, cotangents[0],
+                                       axes=manual_axes(cfg.axis_name),
+                                       kernel=channel_norm_bwd_kernel_p.bind, **params)
+    else:
+        dx, dscale, dbias = channel_norm_bwd_p.bind(x, scale, bias, mean, var, cotangents[0],
+                                                    **params)
+    return dx, dscale, dbias, None, None
+
+
+_channel_norm.defvjp(_channel_norm_fwd, _channel_norm_bwd)
+
+
+def _activation(op: str, activation) -> bool:
+    """Whether `activation` asks for the fused SiLU."""
+    if activation is None:
+        return False
+    if activation in ("silu", "swish"):
+        return True
+    raise ValueError(f"{op}: activation must be None or 'silu', got {activation!r}")
+
+
+def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsilon,
+               activation, dtype, axis_name, stats=None):
+    """The public ops' shared checks, dtype rules and dispatch: returns
+    (y, mean, var), the statistics per (leading index, group); or, given
+    `stats` (mean, var), (y, None, None)."""
+    axis = _channel_axis(op, x, channel_axis, lead_ndim=lead_ndim)
+    channels = x.shape[x.ndim + axis]
+    scale = _checks.parameter(op, "scale", scale)
+    bias = _checks.parameter(op, "bias", bias)
+    for name, p in (("scale", scale), ("bias", bias)):
+        if p is not None and tuple(p.shape) != (channels,):
+            raise ValueError(
+                f"{op}: {name} must have shape ({channels},) (the channels of x along axis "
+                f"{channel_axis}), got {tuple(p.shape)}"
+            )
+    eps = _checks.epsilon(op, epsilon)
+    out_dtype = _checks.output_dtype(op, dtype, x.dtype)
+    params_dt = param_dtype(x.dtype, scale, bias)
+    cfg = _Config(lead_ndim, axis, group_size, eps, _activation(op, activation),
+                  kernel_out_dtype(x.dtype, out_dtype), params_dt, stats is not None,
+                  _checks.axis_name(op, axis_name))
+    s = or_empty(None if scale is None else scale.astype(params_dt), params_dt)
+    b = or_empty(None if bias is None else bias.astype(params_dt), params_dt)
+    acc = stats_dtype(x.dtype)
+    m, v = (empty(acc), empty(acc)) if stats is None else (a.astype(acc) for a in stats)
+    x, s, b, m, v = match_varying(x, s, b, m, v)
+    if x.size == 0:  # nothing to launch; keeps gradients' shapes and dtypes
+        y, mean, var = _fwd_local(x, s, b, m, v, axes=UNSHARDED, kernel=_fwd_kernel_reference,
+                                  **cfg.kernel_params(), out_dtype=cfg.out_dtype)
+    else:
+        y, mean, var = _channel_norm(x, s, b, m, v, cfg)
+    y = y.astype(out_dtype)
+    return (y, None, None) if stats is not None else (y, mean, var)
+
+
+def group_norm(
+    x: jax.typing.ArrayLike,
+    num_groups: int,
+    scale: jax.typing.ArrayLike | None = None,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    epsilon: float = 1e-5,
+    channel_axis: int = -1,
+    activation: str | None = None,
+    dtype: jax.typing.DTypeLike | None = None,
+    axis_name: AxisName | None = None,
+) -> jax.Array:
+    """Group normalization: each sample's channels in ``num_groups`` groups
+    of consecutive channels, each group normalized over its channels and all
+    spatial positions, then ``scale`` and ``bias`` per channel.
+
+    Args:
+      x: array of shape ``(N, *spatial, C)`` (``channel_axis=-1``, Flax's
+        layout) or ``(N, C, *spatial)`` (``channel_axis=1``, PyTorch's), any
+        number of spatial dims (none too); axis 0 is the batch.
+      num_groups: groups of channels; must divide C.
+      scale, bias: optional arrays of shape ``(C,)``.
+      epsilon: added to the variance; a static float >= 0.
+      channel_axis: the axis of the channels (any but the batch axis 0).
+      activation: None, or ``"silu"`` to return ``silu(y)`` (as diffusion
+        models apply right after), fused, with its gradient.
+      dtype: output dtype (default: ``x.dtype``).
+      axis_name: inside ``shard_map``, the mesh axis name (or tuple of names)
+        over which the spatial dims are split: each group's statistics are
+        combined across it with one all-gather of (count, mean, M2) per
+        sample and group, and the backward's sums with one all-reduce.
+
+    Returns:
+      Array of ``x``'s shape and dtype ``dtype``. Statistics are computed in
+      float32 (float64 for float64 ``x``).
+    """
+    op = "group_norm"
+    x = _checks.floating_array("x", op, x)
+    if x.ndim < 2:
+        raise ValueError(f"{op}: x must have a batch axis and a channel axis, got shape "
+                         f"{tuple(x.shape)}")
+    axis = _channel_axis(op, x, channel_axis, lead_ndim=1)
+    channels = x.shape[axis]
+    if (not isinstance(num_groups, int | np.integer) or isinstance(num_groups, bool)
+            or num_groups < 1 or channels % num_groups):
+        raise ValueError(
+            f"{op}: num_groups must be a positive int that divides the {channels} channels, "
+            f"got {num_groups!r}"
+        )
+    return _normalize(op, x, scale, bias, lead_ndim=1, channel_axis=channel_axis,
+                      group_size=channels // int(num_groups), epsilon=epsilon,
+                      activation=activation, dtype=dtype, axis_name=axis_name)[0]
+
+
+def instance_norm(
+    x: jax.typing.ArrayLike,
+    scale: jax.typing.ArrayLike | None = None,
+    bias: jax.typing.ArrayLike | None = None,
+    *,
+    epsilon: float = 1e-5,
+    channel_axis: int = -1,
+    activation: str | None = None,
+    dtype: jax.typing.DTypeLike | None = None,
+    axis_name: AxisName | None = None,
+) -> jax.Array:
+    """Instance normalization: `group_norm` with one group per channel (each
+    sample's channel normalized over its spatial positions).
+
+    Args and returns as `group_norm`, without ``num_groups``.
+    """
+    op = "instance_norm"
+    x = _checks.floating_array("x", op, x)
+    if x.ndim < 2:
+        raise ValueError(f"{op}: x must have a batch axis and a channel axis, got shape "
+                         f"{tuple(x.shape)}")
+    return _normalize(op, x, scale, bias, lead_ndim=1, channel_axis=channel_axis,
+                      group_size=1, epsilon=epsilon, activation=activation, dtype=dtype,
+                      axis_name=axis_name)[0]
+
+
+def batch_norm(
+    x: jax.typing.ArrayLike,
+    scale: jax.typing.ArrayLike | None,
+    bias: jax.typing.ArrayLike | None,
+    running_mean: jax.typing.ArrayLike | None,
+    running_var: jax.typing.ArrayLike | None,
+    *,
+    training: bool,
+    momentum: float = 0.99,
+    epsilon: float = 1e-5,
+    axis_name: AxisName | None = None,
+    channel_axis: int = -1,
+    unbiased_running_var: bool = False,
+    activation: str | None = None,
+    dtype: jax.typing.DTypeLike | None = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Batch normalization: each channel normalized over every other axis.
+
+    Training uses the batch's statistics (merged with Chan's formula in
+    float32, stable for means far from zero) and returns the running
+    statistics updated as Flax does: ``momentum * running + (1 - momentum) *
+    batch``, with the biased batch variance, or with
+    ``unbiased_running_var=True`` the unbiased one, as PyTorch keeps (whose
+    ``momentum=0.1`` is this ``momentum=0.9``). Evaluation normalizes with the
+    running statistics (elementwise) and returns them unchanged.
+
+    Args:
+      x: array of shape ``(N, *spatial, C)`` (``channel_axis=-1``) or
+        ``(N, C, *spatial)`` (``channel_axis=1``).
+      scale, bias: arrays of shape ``(C,)``, or None.
+      running_mean, running_var: arrays of shape ``(C,)`` (float32, as Flax
+        keeps them), or None in training (then None is returned for them).
+      training: batch statistics (True) or the running ones (False); static.
+      momentum: the running statistics' decay, in [0, 1].
+      epsilon: added to the variance; a static float >= 0.
+      axis_name: inside ``shard_map``, the mesh axis name (or tuple of names)
+        over which the batch is split (synchronized BatchNorm): the
+        per-device (count, mean, M2) of each channel are merged with one
+        all-gather, and the backward's two per-channel sums are added with
+        one all-reduce. Under ``jit`` with x sharded over its batch, the same
+        happens without it.
+      channel_axis: the axis of the channels.
+      unbiased_running_var: keep the unbiased batch variance in the running
+        variance (PyTorch's convention); normalization always uses the biased
+        one.
+      activation: None, or ``"silu"`` for ``silu(y)``, fused.
+      dtype: output dtype (default: ``x.dtype``).
+
+    Returns:
+      ``(y, new_running_mean, new_running_var)``: y of ``x``'s shape and
+      dtype ``dtype``; the running statistics in their own dtypes. They carry
+      no gradient: running statistics are state (in training the batch's are
+      not differentiated through them; in evaluation they are constants).
+    """
+    op = "batch_norm"
+    x = _checks.floating_array("x", op, x)
+    if x.ndim < 1:
+        raise ValueError(f"{op}: x must have a channel axis, got a scalar")
+    if not isinstance(training, bool | np.bool_):
+        raise TypeError(f"{op}: training must be a static bool, got {type(training).__name__}")
+    m = _checks.static_float(op, "momentum", momentum)
+    if not 0.0 <= m <= 1.0:
+        raise ValueError(f"{op}: momentum must be in [0, 1], got {momentum!r}")
+    axis = _channel_axis(op, x, channel_axis)
+    channels = x.shape[axis]
+    running = []
+    for name, r in (("running_mean", running_mean), ("running_var", running_var)):
+        r = _checks.parameter(op, name, r)
+        if r is not None and tuple(r.shape) != (channels,):
+            raise ValueError(f"{op}: {name} must have shape ({channels},), got {tuple(r.shape)}")
+        running.append(r)
+    rm, rv = running
+    if (rm is None) != (rv is None):
+        raise ValueError(f"{op}: give running_mean and running_var together, or neither")
+    common = dict(lead_ndim=0, channel_axis=channel_axis, group_size=1, epsilon=epsilon,
+                  activation=activation, dtype=dtype, axis_name=axis_name)
+    if not training:
+        if rm is None:
+            raise ValueError(f"{op}: evaluation (training=False) needs running_mean and "
+                             "running_var")
+        y, _, _ = _normalize(op, x, scale, bias, stats=(lax.stop_gradient(rm),
+                                                        lax.stop_gradient(rv)), **common)
+        return y, rm, rv
+    count = x.size // channels * _axis_size(axis_name)
+    if count == 0 or (unbiased_running_var and count == 1):
+        raise ValueError(
+            f"{op}: training needs more than {int(unbiased_running_var)} value(s) per channel, "
+            f"got x of shape {tuple(x.shape)}"
+        )
+    y, mean, var = _normalize(op, x, scale, bias, **common)
+    if rm is None:
+        return y, None, None
+    mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
+    if unbiased_running_var:
+        var = var * (count / (count - 1))
+    new_rm = (m * rm.astype(mean.dtype) + (1 - m) * mean).astype(rm.dtype)
+    new_rv = (m * rv.astype(var.dtype) + (1 - m) * var).astype(rv.dtype)
+    return y, new_rm, new_rv
+
+
+def _axis_size(axis_name) -> int:
+    """Devices across the shard_map axes `axis_name` (1 without)."""
+    names = _checks.axis_name("batch_norm", axis_name)
+    return int(np.prod([lax.axis_size(a) for a in names])) if names else 1

@@ -1,0 +1,150 @@
+"""local_response_norm and channel_softmax against float64 references (the
+LRN reference follows PyTorch's definition: a zero-padded average of squares
+over the window), on the default device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import assert_close, rand
+
+import jaxnorm
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]
+
+
+def lrn_np(x, size, alpha, beta, k, axis):
+    """PyTorch's local_response_norm in float64: x / (k + alpha * avg)^beta,
+    avg the mean of x^2 over size channels (size // 2 before, (size - 1) // 2
+    after), zero padded."""
+    xl = np.moveaxis(np.asarray(x, np.float64), axis, -1)
+    c = xl.shape[-1]
+    sq = np.pad(xl * xl, [(0, 0)] * (xl.ndim - 1) + [(size // 2, (size - 1) // 2)])
+    avg = np.stack([sq[..., j:j + size].sum(-1) for j in range(c)], axis=-1) / size
+    return np.moveaxis(xl / (k + alpha * avg) ** beta, -1, axis)
+
+
+def lrn_jnp(x, size, alpha, beta, k, axis):
+    xl = jnp.moveaxis(x, axis, -1)
+    c = xl.shape[-1]
+    sq = jnp.pad(xl * xl, [(0, 0)] * (xl.ndim - 1) + [(size // 2, (size - 1) // 2)])
+    avg = jnp.stack([sq[..., j:j + size].sum(-1) for j in range(c)], axis=-1) / size
+    return jnp.moveaxis(xl / (k + alpha * avg) ** beta, -1, axis)
+
+
+def softmax_np(x, axis):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+LRN_CASES = [  # shape, axis, size
+    ((2, 16, 5, 7), 1, 5),     # PyTorch's NCHW
+    ((2, 5, 7, 16), -1, 5),    # NHWC
+    ((3, 7, 9), 1, 4),         # an even window (2 before, 1 after)
+    ((2, 3, 4), 1, 1),
+    ((2, 3, 4), -1, 9),        # a window wider than the channels
+    ((4, 1), 1, 3),            # one channel
+    ((1, 127, 2, 3), 1, 7),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape,axis,size", LRN_CASES, ids=str)
+def test_lrn_values(shape, axis, size, dtype):
+    x = rand(len(shape) + size, shape, dtype)
+    f = functools.partial(jaxnorm.local_response_norm, size=size, alpha=0.5, beta=0.75, k=2.0,
+                          channel_axis=axis)
+    y = jax.jit(f)(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, lrn_np(x, size, 0.5, 0.75, 2.0, axis), dtype)
+
+
+def test_lrn_defaults_match_pytorch_defaults():
+    x = rand(3, (2, 8, 4, 4), jnp.float32, offset=3.0)
+    y = jaxnorm.local_response_norm(x, 3, channel_axis=1)
+    assert_close(y, lrn_np(x, 3, 1e-4, 0.75, 1.0, 1), jnp.float32)
+
+
+@pytest.mark.parametrize("shape,axis,size", [((2, 6, 3, 4), 1, 3), ((2, 3, 7), -1, 4)],
+                         ids=str)
+def test_lrn_gradients(shape, axis, size):
+    x = rand(4, shape, jnp.float64)
+    f = functools.partial(jaxnorm.local_response_norm, size=size, alpha=0.7, beta=0.6, k=1.5,
+                          channel_axis=axis)
+    check_grads(f, (x,), order=1, modes=["rev"])
+    dy = rand(5, shape, jnp.float64)
+    got = jax.vjp(f, x)[1](dy)[0]
+    want = jax.vjp(lambda x: lrn_jnp(x, size, 0.7, 0.6, 1.5, axis), x)[1](dy)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    # float32 and bfloat16 against the float64 gradient
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)):
+        g = jax.vjp(f, x.astype(dtype))[1](dy.astype(dtype))[0]
+        np.testing.assert_allclose(np.asarray(g, np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape,axis", [((2, 10, 5, 5), 1), ((3, 4, 4, 21), -1), ((5, 1), -1),
+                                        ((2, 4097), -1), ((2, 3, 7), 0)], ids=str)
+def test_softmax_values(shape, axis, dtype):
+    x = rand(6, shape, dtype, offset=1.0) * 3
+    y = jax.jit(functools.partial(jaxnorm.channel_softmax, channel_axis=axis))(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, softmax_np(x, axis), dtype)
+
+
+def test_softmax_of_large_values_does_not_overflow():
+    x = jnp.asarray([[1000.0, 1001.0, 999.0]], jnp.float32)
+    y = jaxnorm.channel_softmax(x, channel_axis=-1)
+    assert_close(y, softmax_np(x, -1), jnp.float32)
+
+
+def test_softmax_gradients():
+    x = rand(7, (2, 5, 3, 3), jnp.float64)
+    f = functools.partial(jaxnorm.channel_softmax, channel_axis=1)
+    check_grads(f, (x,), order=1, modes=["rev"])
+    dy = rand(8, x.shape, jnp.float64)
+    got = jax.vjp(f, x)[1](dy)[0]
+    want = jax.vjp(lambda x: jax.nn.softmax(x, axis=1), x)[1](dy)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("op", ["lrn", "softmax"])
+def test_vmap_and_nan_confinement(op):
+    f = (functools.partial(jaxnorm.local_response_norm, size=3, channel_axis=-1) if op == "lrn"
+         else functools.partial(jaxnorm.channel_softmax, channel_axis=-1))
+    x = rand(9, (3, 4, 6), jnp.float32)
+    np.testing.assert_allclose(jax.vmap(f)(x), f(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.vmap(f, in_axes=2, out_axes=2)(x.reshape(3, 6, 4)),
+                               jnp.stack([f(x.reshape(3, 6, 4)[:, :, i]) for i in range(4)], 2),
+                               rtol=1e-6)
+    bad = np.array(x)
+    bad[1, 2, 0] = np.nan  # one position's channels only
+    y = np.asarray(f(jnp.asarray(bad)))
+    hit = np.zeros(y.shape, bool)
+    hit[1, 2] = True
+    assert np.isfinite(y[~hit]).all()
+
+
+@pytest.mark.parametrize("op", ["lrn", "softmax"])
+def test_empty_and_bad_input(op):
+    def f(x, **kw):
+        if op == "lrn":
+            return jaxnorm.local_response_norm(x, 3, **kw)
+        return jaxnorm.channel_softmax(x, **kw)
+
+    assert f(jnp.zeros((0, 4)), channel_axis=-1).shape == (0, 4)
+    with pytest.raises(ValueError, match="channel_axis 2 is out of range"):
+        f(jnp.zeros((2, 4)), channel_axis=2)
+    with pytest.raises(TypeError, match="x must have dtype"):
+        f(jnp.zeros((2, 4), jnp.int32), channel_axis=1)
+    with pytest.raises(TypeError, match="missing 1 required keyword-only argument"):
+        f(jnp.zeros((2, 4)))
+    if op == "lrn":
+        with pytest.raises(ValueError, match="size must be an int >= 1"):
+            jaxnorm.local_response_norm(jnp.zeros((2, 4)), 0, channel_axis=1)
+        with pytest.raises(ValueError, match="beta must be finite"):
+            jaxnorm.local_response_norm(jnp.zeros((2, 4)), 2, beta=float("nan"), channel_axis=1)

@@ -1,0 +1,392 @@
+"""group_norm, instance_norm and batch_norm against float64 references, on the
+default device (the CUDA kernels on a GPU where built, the CPU kernels
+elsewhere)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import TOLERANCE, assert_close, rand
+
+import jaxnorm
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64]
+dtype_id = functools.partial(lambda d: jnp.dtype(d).name)
+
+
+def _channels_last(x, axis):
+    return np.moveaxis(np.asarray(x, np.float64), axis, -1)
+
+
+def group_norm_np(x, groups, scale, bias, eps, axis=-1, silu=False):
+    """Float64 GroupNorm: x (N, ..., C, ...) with the channels on `axis`."""
+    xl = _channels_last(x, axis)
+    n, c = xl.shape[0], xl.shape[-1]
+    xg = xl.reshape(n, -1, groups, c // groups)
+    mean = xg.mean(axis=(1, 3), keepdims=True)
+    var = ((xg - mean) ** 2).mean(axis=(1, 3), keepdims=True)
+    y = ((xg - mean) / np.sqrt(var + eps)).reshape(xl.shape)
+    y = _affine_np(y, scale, bias, silu)
+    return np.moveaxis(y, -1, axis)
+
+
+def _affine_np(y, scale, bias, silu):
+    if scale is not None:
+        y = y * np.asarray(scale, np.float64)
+    if bias is not None:
+        y = y + np.asarray(bias, np.float64)
+    return y / (1 + np.exp(-y)) if silu else y
+
+
+def batch_stats_np(x, axis=-1):
+    xl = _channels_last(x, axis).reshape(-1, x.shape[axis])
+    return xl.mean(axis=0), xl.var(axis=0)
+
+
+def batch_norm_np(x, scale, bias, mean, var, eps, axis=-1, silu=False):
+    xl = _channels_last(x, axis)
+    y = _affine_np((xl - mean) / np.sqrt(np.asarray(var, np.float64) + eps), scale, bias, silu)
+    return np.moveaxis(y, -1, axis)
+
+
+def params(seed, c, dtype):
+    return rand(seed, (c,), dtype, offset=1.0), rand(seed + 1, (c,), dtype)
+
+
+def gn(x, groups, scale, bias, **kw):
+    return jax.jit(functools.partial(jaxnorm.group_norm, num_groups=groups, **kw))(
+        x, scale=scale, bias=bias)
+
+
+# ------------------------------------------------------------- values
+
+GN_SHAPES = [  # (shape, channel_axis, groups)
+    ((2, 5, 7, 32), -1, 8),       # NHWC, 4 channels a group
+    ((2, 32, 5, 7), 1, 8),        # NCHW
+    ((3, 9, 12), -1, 4),          # 1-D spatial, 3 channels a group
+    ((2, 3, 4, 5, 6), -1, 2),     # 3-D spatial
+    ((2, 6, 3, 4, 5), 1, 3),      # NCDHW
+    ((4, 12), -1, 3),             # no spatial dims
+    ((1, 1, 1, 1), -1, 1),        # one element a group
+    ((2, 4, 6, 10), 2, 3),        # channels in the middle (N, H, C, W)
+    ((1, 127, 33, 20), -1, 4),    # odd spatial sizes, 5 channels a group
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape,axis,groups", GN_SHAPES, ids=str)
+def test_group_norm_values(shape, axis, groups, dtype):
+    x = rand(len(shape), shape, dtype, offset=0.5)
+    scale, bias = params(7, shape[axis], dtype)
+    y = gn(x, groups, scale, bias, channel_axis=axis)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, group_norm_np(x, groups, scale, bias, 1e-5, axis), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_group_norm_silu(dtype, axis):
+    shape = (2, 16, 9, 24) if axis == 1 else (2, 9, 24, 16)
+    x = rand(3, shape, dtype)
+    scale, bias = params(4, shape[axis], dtype)
+    y = gn(x, 4, scale, bias, channel_axis=axis, activation="silu")
+    assert_close(y, group_norm_np(x, 4, scale, bias, 1e-5, axis, silu=True), dtype)
+
+
+def test_a_group_larger_than_a_block():
+    # 64 channels in 32 groups over 256 x 256 positions: 131072 elements a
+    # group, more than one GPU block holds.
+    x = rand(5, (1, 256, 256, 64), jnp.bfloat16, offset=1.0)
+    scale, bias = params(6, 64, jnp.float32)
+    y = gn(x, 32, scale, bias)
+    assert_close(y, group_norm_np(x, 32, scale, bias, 1e-5), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_group_norm_without_params_and_other_dtypes(dtype):
+    x = rand(8, (3, 6, 6, 20), dtype)
+    y = gn(x, 5, None, None)
+    assert_close(y, group_norm_np(x, 5, None, None, 1e-5), dtype)
+    # f32 parameters with 16-bit x, an f32 output
+    scale, bias = params(9, 20, jnp.float32)
+    y = jax.jit(lambda x: jaxnorm.group_norm(x, 5, scale, bias, dtype=jnp.float32))(x)
+    assert y.dtype == jnp.float32
+    assert_close(y, group_norm_np(x, 5, scale, bias, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_instance_norm(axis):
+    shape = (3, 10, 7, 6) if axis == -1 else (3, 6, 10, 7)
+    x = rand(11, shape, jnp.float32, offset=2.0)
+    scale, bias = params(12, 6, jnp.float32)
+    y = jax.jit(functools.partial(jaxnorm.instance_norm, channel_axis=axis))(x, scale, bias)
+    assert_close(y, group_norm_np(x, 6, scale, bias, 1e-5, axis), jnp.float32)
+
+
+def test_group_norm_large_mean_is_stable():
+    # float32 x near 1e3: a one-pass E[x^2] - E[x]^2 would be off by O(1).
+    x = rand(13, (2, 64, 64, 8), jnp.float32, offset=1e3)
+    y = gn(x, 2, None, None)
+    assert_close(y, group_norm_np(x, 2, None, None, 1e-5), jnp.float32, scale=20)
+
+
+def test_nan_stays_in_its_group():
+    x = np.array(rand(14, (3, 4, 4, 8), jnp.float32))
+    x[1, 2, 3, 5] = np.nan  # sample 1, group 2 of 4 (channels 4-5)
+    y = np.asarray(gn(jnp.asarray(x), 4, None, None))
+    bad = np.zeros(y.shape, bool)
+    bad[1, :, :, 4:6] = True
+    assert np.isnan(y[bad]).all() and np.isfinite(y[~bad]).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 8), (2, 0, 8)], ids=str)
+def test_group_norm_of_empty_arrays(shape):
+    x = jnp.zeros(shape, jnp.float32)
+    scale, bias = params(15, 8, jnp.float32)
+    y = gn(x, 2, scale, bias)
+    assert y.shape == shape
+    grads = jax.grad(lambda x, s, b: jnp.sum(jaxnorm.group_norm(x, 2, s, b)),
+                     argnums=(0, 1, 2))(x, scale, bias)
+    assert grads[0].shape == shape
+    np.testing.assert_array_equal(grads[1], 0)
+
+
+# ---------------------------------------------------------- gradients
+
+
+def _gn_f64(x, scale, bias, groups, axis, silu):
+    xl = jnp.moveaxis(x, axis, -1)
+    n, c = xl.shape[0], xl.shape[-1]
+    xg = xl.reshape(n, -1, groups, c // groups)
+    mean = xg.mean(axis=(1, 3), keepdims=True)
+    var = ((xg - mean) ** 2).mean(axis=(1, 3), keepdims=True)
+    y = ((xg - mean) / jnp.sqrt(var + 1e-5)).reshape(xl.shape) * scale + bias
+    y = y * jax.nn.sigmoid(y) if silu else y
+    return jnp.moveaxis(y, -1, axis)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("shape,axis,groups", [((2, 5, 6, 8), -1, 4), ((2, 6, 5, 3), 1, 3)],
+                         ids=str)
+def test_group_norm_gradients_float64(shape, axis, groups, silu):
+    x = rand(16, shape, jnp.float64, offset=0.3)
+    scale, bias = params(17, shape[axis], jnp.float64)
+    act = "silu" if silu else None
+
+    def f(x, s, b):
+        return jaxnorm.group_norm(x, groups, s, b, channel_axis=axis, activation=act)
+
+    check_grads(f, (x, scale, bias), order=1, modes=["rev"])
+    dy = rand(18, shape, jnp.float64)
+    got = jax.vjp(f, x, scale, bias)[1](dy)
+    want = jax.vjp(lambda *a: _gn_f64(*a, groups, axis, silu), x, scale, bias)[1](dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=dtype_id)
+def test_group_norm_gradients_against_float64(dtype):
+    shape, groups = (2, 7, 5, 12), 3
+    x = rand(19, shape, dtype)
+    scale, bias = params(20, 12, jnp.float32)
+    dy = rand(21, shape, dtype)
+
+    def f(x, s, b):
+        return jaxnorm.group_norm(x, groups, s, b, activation="silu")
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
+    f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
+    want = jax.vjp(lambda *a: _gn_f64(*a, groups, -1, True), *f64[:3])[1](f64[3])
+    rtol, atol = TOLERANCE[np.dtype(dtype)]
+    for g, w, scale_ in zip(got, want, (1, 20, 20)):  # parameter grads sum many rows
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=atol * scale_)
+
+
+def test_group_norm_gradients_float32():
+    x = rand(22, (2, 4, 3, 8), jnp.float32)
+    scale, bias = params(23, 8, jnp.float32)
+    check_grads(lambda x, s, b: jaxnorm.group_norm(x, 2, s, b), (x, scale, bias), order=1,
+                modes=["rev"], atol=5e-2, rtol=5e-2)
+
+
+# ---------------------------------------------------------------- vmap
+
+
+def test_group_norm_vmap():
+    x = rand(24, (3, 2, 4, 5, 8), jnp.float32)
+    scale, bias = params(25, 8, jnp.float32)
+    f = functools.partial(jaxnorm.group_norm, num_groups=4, scale=scale, bias=bias)
+    got = jax.jit(jax.vmap(f))(x)
+    want = jnp.stack([f(x[i]) for i in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # vmap of the gradient, and over an inner axis
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(f(x) ** 2)))(x)
+    want = jnp.stack([jax.grad(lambda x: jnp.sum(f(x) ** 2))(x[i]) for i in range(3)])
+    np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+    got = jax.vmap(f, in_axes=2, out_axes=2)(x.reshape(2, 3, 4, 5, 8))
+    want = jnp.stack([f(x.reshape(2, 3, 4, 5, 8)[:, :, i]) for i in range(4)], axis=2)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_norm_vmap_keeps_statistics_apart():
+    # Under vmap each mapped instance is a batch of its own.
+    x = rand(26, (3, 16, 6), jnp.float32, offset=1.0)
+    rm, rv = jnp.zeros(6), jnp.ones(6)
+
+    def f(x):
+        return jaxnorm.batch_norm(x, None, None, rm, rv, training=True)
+
+    y, m, v = jax.jit(jax.vmap(f))(x)
+    for i in range(3):
+        yi, mi, vi = f(x[i])
+        np.testing.assert_allclose(y[i], yi, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(m[i], mi, rtol=1e-6, atol=1e-7)
+    g = jax.vmap(jax.grad(lambda x: jnp.sum(f(x)[0] ** 3)))(x)
+    want = jax.grad(lambda x: jnp.sum(f(x)[0] ** 3))(x[1])
+    np.testing.assert_allclose(g[1], want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ BatchNorm
+
+BN_SHAPES = [((16, 5, 5, 12), -1), ((8, 12, 3, 4), 1), ((33, 7), -1), ((4, 3, 2, 2, 5), 1)]
+
+
+def bn_train(x, scale, bias, rm, rv, **kw):
+    return jax.jit(functools.partial(jaxnorm.batch_norm, training=True, **kw))(
+        x, scale, bias, rm, rv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape,axis", BN_SHAPES, ids=str)
+def test_batch_norm_training(shape, axis, dtype):
+    c = shape[axis]
+    x = rand(27, shape, dtype, offset=2.0)
+    scale, bias = params(28, c, jnp.float32)
+    rm, rv = rand(29, (c,), jnp.float32), jnp.abs(rand(30, (c,), jnp.float32)) + 0.5
+    y, new_rm, new_rv = bn_train(x, scale, bias, rm, rv, channel_axis=axis, momentum=0.9)
+    mean, var = batch_stats_np(x, axis)
+    assert y.dtype == x.dtype and new_rm.dtype == new_rv.dtype == jnp.float32
+    assert_close(y, batch_norm_np(x, scale, bias, mean, var, 1e-5, axis), dtype)
+    # Flax's update: momentum * running + (1 - momentum) * batch (biased)
+    np.testing.assert_allclose(new_rm, 0.9 * np.asarray(rm) + 0.1 * mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_rv, 0.9 * np.asarray(rv) + 0.1 * var, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_pytorch_running_variance():
+    x = rand(31, (6, 4, 4, 3), jnp.float32)
+    rm, rv = jnp.zeros(3), jnp.ones(3)
+    _, new_rm, new_rv = bn_train(x, None, None, rm, rv, momentum=0.9, unbiased_running_var=True)
+    n = 6 * 4 * 4
+    _, var = batch_stats_np(x)
+    np.testing.assert_allclose(new_rv, 0.9 + 0.1 * var * n / (n - 1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("shape,axis", BN_SHAPES[:2], ids=str)
+def test_batch_norm_evaluation(shape, axis, dtype):
+    c = shape[axis]
+    x = rand(32, shape, dtype)
+    scale, bias = params(33, c, jnp.float32)
+    rm, rv = rand(34, (c,), jnp.float32), jnp.abs(rand(35, (c,), jnp.float32)) + 0.5
+    y, same_rm, same_rv = jax.jit(functools.partial(
+        jaxnorm.batch_norm, training=False, channel_axis=axis))(x, scale, bias, rm, rv)
+    assert same_rm is not None
+    np.testing.assert_array_equal(same_rm, rm)
+    np.testing.assert_array_equal(same_rv, rv)
+    assert_close(y, batch_norm_np(x, scale, bias, rm, rv, 1e-5, axis), dtype)
+
+
+def test_batch_norm_large_mean_is_stable():
+    x = rand(36, (256, 8, 8, 4), jnp.float32, offset=1e3)
+    y, _, _ = bn_train(x, None, None, None, None)
+    mean, var = batch_stats_np(x)
+    assert_close(y, batch_norm_np(x, None, None, mean, var, 1e-5), jnp.float32, scale=20)
+
+
+def _bn_f64(x, scale, bias, axis, silu, stats=None):
+    xl = jnp.moveaxis(x, axis, -1)
+    red = tuple(range(xl.ndim - 1))
+    mean, var = (xl.mean(axis=red), xl.var(axis=red)) if stats is None else stats
+    y = (xl - mean) / jnp.sqrt(var + 1e-5) * scale + bias
+    y = y * jax.nn.sigmoid(y) if silu else y
+    return jnp.moveaxis(y, -1, axis)
+
+
+@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_gradients_float64(training, silu):
+    shape, axis = (6, 3, 4, 5), 1
+    x = rand(37, shape, jnp.float64, offset=0.5)
+    scale, bias = params(38, 3, jnp.float64)
+    rm, rv = rand(39, (3,), jnp.float64), jnp.abs(rand(40, (3,), jnp.float64)) + 0.5
+    act = "silu" if silu else None
+
+    def f(x, s, b):
+        return jaxnorm.batch_norm(x, s, b, rm, rv, training=training, channel_axis=axis,
+                                  activation=act)[0]
+
+    check_grads(f, (x, scale, bias), order=1, modes=["rev"])
+    dy = rand(41, shape, jnp.float64)
+    stats = None if training else (rm, rv)
+    want = jax.vjp(lambda *a: _bn_f64(*a, axis, silu, stats), x, scale, bias)[1](dy)
+    got = jax.vjp(f, x, scale, bias)[1](dy)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_batch_norm_running_statistics_are_state():
+    """No gradient reaches x through the updated running statistics, and in
+    evaluation y is not differentiated with respect to them."""
+    x = rand(42, (8, 3), jnp.float32)
+    rm, rv = jnp.zeros(3), jnp.ones(3)
+
+    def updated(x):
+        _, new_rm, new_rv = jaxnorm.batch_norm(x, None, None, rm, rv, training=True)
+        return jnp.sum(new_rm) + jnp.sum(new_rv)
+
+    np.testing.assert_array_equal(jax.grad(updated)(x), 0)
+
+    def evaluated(rm, rv):
+        return jnp.sum(jaxnorm.batch_norm(x, None, None, rm, rv, training=False)[0] ** 2)
+
+    for g in jax.grad(evaluated, argnums=(0, 1))(rm, rv):
+        np.testing.assert_array_equal(g, 0)
+
+
+# -------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda x: jaxnorm.group_norm(x, 3), ValueError, "num_groups must be a positive int"),
+        (lambda x: jaxnorm.group_norm(x, 0), ValueError, "num_groups"),
+        (lambda x: jaxnorm.group_norm(x, 2, channel_axis=0), ValueError, "batch axis"),
+        (lambda x: jaxnorm.group_norm(x, 2, channel_axis=4), ValueError, "out of range"),
+        (lambda x: jaxnorm.group_norm(x, 2, jnp.ones(3)), ValueError,
+         r"scale must have shape \(8,\)"),
+        (lambda x: jaxnorm.group_norm(x.astype(jnp.int32), 2), TypeError, "x must have dtype"),
+        (lambda x: jaxnorm.group_norm(x[0, 0, 0], 2), ValueError, "batch axis and a channel"),
+        (lambda x: jaxnorm.group_norm(x, 2, activation="relu"), ValueError, "activation"),
+        (lambda x: jaxnorm.group_norm(x, 2, epsilon=-1.0), ValueError, "epsilon"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, None, None, training=False), ValueError,
+         "needs running_mean"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, jnp.zeros(8), None, training=True),
+         ValueError, "together"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, jnp.zeros(3), jnp.ones(3), training=True),
+         ValueError, r"running_mean must have shape \(8,\)"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, None, None, training=True, momentum=2.0),
+         ValueError, "momentum"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, None, None, training=1), TypeError,
+         "training must be a static bool"),
+        (lambda x: jaxnorm.batch_norm(x[:0], None, None, None, None, training=True), ValueError,
+         "more than 0 value"),
+    ],
+)
+def test_bad_input_is_named(call, error, match):
+    x = jnp.ones((2, 3, 4, 8), jnp.float32)
+    with pytest.raises(error, match=match):
+        jax.jit(call)(x)

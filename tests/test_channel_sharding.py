@@ -1,0 +1,238 @@
+"""The channel norms over several devices (8 virtual CPU devices in the test
+run): synchronized BatchNorm inside shard_map and under jit with sharded
+inputs, GroupNorm with its samples, spatial dims or channels split; values,
+running statistics and gradients equal one device's, and the compiled HLO
+holds exactly the collectives the design calls for."""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from reference import rand
+from sharding_util import collective_sizes, make_mesh, needs_devices
+
+import jaxnorm
+from jaxnorm._stats import merge_moments
+
+pytestmark = needs_devices(8)
+
+SHAPE = (8, 4, 6, 16)  # NHWC; every dim but W divides over 8 devices
+C, GROUPS = SHAPE[-1], 4
+
+
+def _inputs():
+    x = rand(1, SHAPE, jnp.float32, offset=3.0)
+    scale, bias = rand(2, (C,), jnp.float32, 1.0), rand(3, (C,), jnp.float32)
+    return x, scale, bias
+
+
+def _close(got, want, rtol=2e-5):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=rtol)
+
+
+def _shards(mesh, entry):
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _split(mesh, spec):
+    entries = list(spec) + [None] * (len(SHAPE) - len(spec))
+    return [_shards(mesh, e) for e in entries]
+
+
+def _compare(op, mesh, spec, params_like_x):
+    """op(x, scale, bias) -> (y, ...) and the gradient of a loss of y, sharded
+    and on one device; returns each sharded function's collectives."""
+    x, scale, bias = _inputs()
+    p_spec = P(spec[3]) if params_like_x and len(spec) > 3 else P()
+
+    def loss(x, scale, bias):
+        return jnp.sum(jnp.sin(op(x, scale, bias)[0]))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    shardings = (NamedSharding(mesh, spec), NamedSharding(mesh, p_spec),
+                 NamedSharding(mesh, p_spec))
+    # Results sharded as the arguments (y as x; running statistics and
+    # gradients as the parameters), so that only the op's collectives remain.
+    n_out = len(op(x, scale, bias))
+    found = {}
+    for name, f, outs in (("fwd", op, shardings[:n_out]), ("grad", grad, shardings)):
+        sharded = jax.jit(f, in_shardings=shardings, out_shardings=outs)
+        _close(sharded(x, scale, bias), jax.jit(f)(x, scale, bias))
+        found[name] = collective_sizes(sharded.lower(x, scale, bias).compile().as_text())
+    return found
+
+
+def _batch_norm(x, scale, bias):
+    return jaxnorm.batch_norm(x, scale, bias, jnp.zeros(C), jnp.ones(C), training=True,
+                              momentum=0.9)
+
+
+BN_SPECS = [P("data"), P(("data", "model")), P("data", "model"), P(None, "data"),
+            P("data", None, None, "model"), P(None, None, None, ("data", "model")), P()]
+
+
+@pytest.mark.parametrize("spec", BN_SPECS, ids=str)
+def test_batch_norm_partitioned(spec):
+    """Batch and spatial dims split: one all-gather of each device's (mean,
+    M2) per channel in the forward, one all-reduce of the two per-channel
+    sums and the parameter gradients in the backward. Channels split: none."""
+    mesh = make_mesh((2, 4))
+    found = _compare(_batch_norm, mesh, spec, params_like_x=True)
+    split = _split(mesh, spec)
+    reduce_shards, local_c = math.prod(split[:3]), C // split[3]
+    fwd = [("all-gather", reduce_shards * local_c * 2)] if reduce_shards > 1 else []
+    assert found["fwd"] == fwd
+    bwd = [("all-reduce", 4 * local_c)] if reduce_shards > 1 else []
+    assert found["grad"] == sorted(fwd + bwd)
+
+
+def test_batch_norm_partitioned_with_replicated_params():
+    mesh = make_mesh((2, 4))
+    _compare(_batch_norm, mesh, P("data", None, None, "model"), params_like_x=False)
+
+
+def _group_norm(x, scale, bias):
+    return (jaxnorm.group_norm(x, GROUPS, scale, bias, activation="silu"),)
+
+
+GN_SPECS = [P("data"), P(None, "data"), P("data", "model"), P(("data", "model")),
+            P("data", None, None, "model"), P(None, "data", None, "model")]
+
+
+@pytest.mark.parametrize("spec", GN_SPECS, ids=str)
+def test_group_norm_partitioned(spec):
+    """Samples split: only the parameter gradients are summed. Spatial dims
+    split: one all-gather of (mean, M2) per local sample and group, and the
+    backward's sums added up. Channels split in whole groups: nothing."""
+    mesh = make_mesh((2, 4))
+    found = _compare(_group_norm, mesh, spec, params_like_x=True)
+    n_sh, h_sh, _, c_sh = _split(mesh, spec)
+    local_n, local_c = SHAPE[0] // n_sh, C // c_sh
+    local_groups = GROUPS // c_sh
+    fwd = [("all-gather", h_sh * local_n * local_groups * 2)] if h_sh > 1 else []
+    assert found["fwd"] == fwd
+    sums, params = local_n * local_groups * 2, 2 * local_c
+    if h_sh > 1 and n_sh > 1:
+        bwd = [("all-reduce", sums), ("all-reduce", params)]
+    elif h_sh > 1:
+        bwd = [("all-reduce", sums + params)]
+    else:
+        bwd = [("all-reduce", params)] if n_sh > 1 else []
+    assert found["grad"] == sorted(fwd + bwd)
+
+
+def test_group_norm_channels_cut_inside_a_group_are_gathered():
+    mesh = make_mesh((8,))
+    x, scale, bias = _inputs()
+    f = jax.jit(lambda x: jaxnorm.group_norm(x, 2, scale, bias),  # 8 channels a group
+                in_shardings=NamedSharding(mesh, P(None, None, None, "a")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = f(x)
+    messages = [str(w.message) for w in caught]
+    assert any("x dimension 3" in m and "cut a group of 8" in m for m in messages), messages
+    _close(y, jaxnorm.group_norm(x, 2, scale, bias))
+
+
+# ------------------------------------------------------------ shard_map
+
+
+def test_synchronized_batch_norm_in_shard_map():
+    """axis_name: the batch split over 'data' (and 'model' replicates) gives
+    the single-device statistics, running statistics and gradients; the
+    forward has one all-gather, the backward one all-reduce."""
+    mesh = make_mesh((4, 2))
+    x, scale, bias = _inputs()
+    rm, rv = rand(4, (C,), jnp.float32), jnp.ones(C) * 2
+
+    def body(x, scale, bias):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=True, momentum=0.8,
+                                  axis_name="data", unbiased_running_var=True)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P()),
+                      out_specs=(P("data"), P(), P()))
+
+    def single(x, scale, bias):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=True, momentum=0.8,
+                                  unbiased_running_var=True)
+
+    _close(jax.jit(f)(x, scale, bias), jax.jit(single)(x, scale, bias))
+    assert collective_sizes(jax.jit(f).lower(x, scale, bias).compile().as_text()) == [
+        ("all-gather", 4 * C * 2)]
+
+    def grad(op):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(op(*a)[0])), argnums=(0, 1, 2)))
+
+    _close(grad(f)(x, scale, bias), grad(single)(x, scale, bias))
+    found = collective_sizes(grad(f).lower(x, scale, bias).compile().as_text())
+    assert found == [("all-gather", 4 * C * 2), ("all-reduce", 4 * C)]
+
+
+def test_group_norm_with_spatial_dims_split_in_shard_map():
+    mesh = make_mesh((4, 2))
+    x, scale, bias = _inputs()
+
+    def body(x, scale, bias):
+        return jaxnorm.group_norm(x, GROUPS, scale, bias, axis_name="model", activation="silu")
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P(), P()),
+                      out_specs=P("data", "model"))
+
+    def single(x, scale, bias):
+        return jaxnorm.group_norm(x, GROUPS, scale, bias, activation="silu")
+
+    _close(jax.jit(f)(x, scale, bias), single(x, scale, bias))
+    def grad(op):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(op(*a))), argnums=(0, 1, 2)))
+
+    _close(grad(f)(x, scale, bias), grad(single)(x, scale, bias))
+    local_n = SHAPE[0] // 4
+    assert collective_sizes(jax.jit(f).lower(x, scale, bias).compile().as_text()) == [
+        ("all-gather", 2 * local_n * GROUPS * 2)]
+
+
+def test_batch_norm_evaluation_needs_no_collective():
+    mesh = make_mesh((8,))
+    x, scale, bias = _inputs()
+    rm, rv = rand(5, (C,), jnp.float32), jnp.ones(C)
+
+    def f(x):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=False)[0]
+
+    sharded = jax.jit(f, in_shardings=NamedSharding(mesh, P("a")))
+    _close(sharded(x), f(x))
+    assert collective_sizes(sharded.lower(x).compile().as_text()) == []
+
+
+def test_merging_uneven_device_counts():
+    """Chan's merge weighs each device's statistics by its own count: devices
+    holding 1-8 valid rows of a padded batch give the statistics of all the
+    valid rows together."""
+    mesh = make_mesh((8,))
+    counts = np.arange(1, 9)
+    data = np.asarray(rand(6, (8, 8, 3), jnp.float32, offset=50.0))
+    valid = np.arange(8)[None, :] < counts[:, None]  # (device, row)
+
+    def local(block, n):
+        block, n = block[0], n[0]
+        keep = (jnp.arange(8) < n)[:, None]
+        mean = jnp.sum(jnp.where(keep, block, 0), axis=0) / n
+        m2 = jnp.sum(jnp.where(keep, jnp.square(block - mean), 0), axis=0)
+        total, mean, m2 = merge_moments(jnp.broadcast_to(n, mean.shape).astype(jnp.float32),
+                                        mean, m2, ("a",), invariant=True)
+        return total, mean, m2
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P("a"), P("a")), out_specs=(P(), P(), P()))
+    total, mean, m2 = jax.jit(f)(jnp.asarray(data), jnp.asarray(counts, jnp.float32))
+    rows = data[valid].astype(np.float64)
+    np.testing.assert_allclose(total, len(rows))
+    np.testing.assert_allclose(mean, rows.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(m2 / total, rows.var(axis=0), rtol=1e-4)
