@@ -100,6 +100,10 @@ GROUP_NORM_UNSUPPORTED = """
     ``use_fast_variance`` and ``force_float32_reductions`` say: equal to
     Flax's results up to rounding. ``axis_name`` means what it means in Flax:
     the reduced (spatial) dims are split over that mapped axis.
+
+    One field more than Flax's: ``activation`` (None or ``"silu"``) applies
+    SiLU to the output, fused into the kernel (as diffusion models' blocks
+    do right after the norm).
 """
 
 BATCH_NORM_UNSUPPORTED = """
@@ -137,13 +141,25 @@ def flax_num_groups(channels: int, num_groups, group_size) -> int | None:
     return num_groups if ok else None
 
 
-def group_normalize(x, scale, bias, *, lead_ndim, num_groups, epsilon, dtype, axis_name):
+def group_normalize(x, scale, bias, *, lead_ndim, num_groups, epsilon, dtype, axis_name,
+                    activation):
     """Flax's GroupNorm over the channels (last axis) of x, on the kernels, in
-    Flax's output dtype."""
+    Flax's output dtype, with the fused activation."""
     out = dtypes.canonicalize_dtype(*(a for a in (x, scale, bias) if a is not None), dtype=dtype)
     return channel_normalize("GroupNorm", x, scale, bias, lead_ndim=lead_ndim, channel_axis=-1,
                              group_size=x.shape[-1] // num_groups, epsilon=epsilon,
-                             activation=None, dtype=out, axis_name=axis_name)[0]
+                             activation=activation, dtype=out, axis_name=axis_name)[0]
+
+
+def check_activation(activation):
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"GroupNorm: activation must be None or 'silu', got {activation!r}")
+    return activation
+
+
+def activate(y, activation):
+    """The activation applied after Flax's own computation (the fallback)."""
+    return y if check_activation(activation) is None else jax.nn.silu(y)
 
 
 def single_feature_axis(x, axis) -> int | None:

@@ -15,6 +15,7 @@ from jaxnorm._flax import (
     BATCH_NORM_UNSUPPORTED,
     GROUP_NORM_UNSUPPORTED,
     UNSUPPORTED,
+    activate,
     batch_normalize,
     feature_shape,
     flax_num_groups,
@@ -83,20 +84,23 @@ class AddRMSNorm(RMSNorm):
 class GroupNorm(nn.GroupNorm):
     __doc__ = "jaxnorm's kernels behind ``flax.linen.GroupNorm``.\n" + GROUP_NORM_UNSUPPORTED
 
+    activation: str | None = None
+
     @nn.compact
     def __call__(self, x, *, mask=None):
         """x: (*batch, ..., C); returns y of x's shape."""
         lead = group_lead_ndim(x, self.reduction_axes)
         groups = flax_num_groups(x.shape[-1], self.num_groups, self.group_size) if x.ndim else None
         if lead is None or groups is None or mask is not None or self.axis_index_groups:
-            return super().__call__(x, mask=mask)
+            return activate(super().__call__(x, mask=mask), self.activation)
         shape = (x.shape[-1],)
         scale = self.param("scale", self.scale_init, shape, self.param_dtype) if (
             self.use_scale) else None
         bias = self.param("bias", self.bias_init, shape, self.param_dtype) if (
             self.use_bias) else None
         return group_normalize(x, scale, bias, lead_ndim=lead, num_groups=groups,
-                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name,
+                               activation=self.activation)
 
 
 class BatchNorm(nn.BatchNorm):

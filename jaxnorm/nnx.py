@@ -16,7 +16,9 @@ from jaxnorm._flax import (
     BATCH_NORM_UNSUPPORTED,
     GROUP_NORM_UNSUPPORTED,
     UNSUPPORTED,
+    activate,
     batch_normalize,
+    check_activation,
     group_lead_ndim,
     group_normalize,
     normalize,
@@ -82,15 +84,20 @@ class AddRMSNorm(RMSNorm):
 class GroupNorm(nnx.GroupNorm):
     __doc__ = "jaxnorm's kernels behind ``flax.nnx.GroupNorm``.\n" + GROUP_NORM_UNSUPPORTED
 
+    def __init__(self, *args, activation: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = check_activation(activation)
+
     def __call__(self, x, *, mask=None):
         """x: (*batch, ..., num_features); returns y of x's shape."""
         lead = group_lead_ndim(x, self.reduction_axes)
         if lead is None or mask is not None or self.axis_index_groups is not None:
-            return super().__call__(x, mask=mask)
+            return activate(super().__call__(x, mask=mask), self.activation)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
                                             dtype=self.dtype)
         return group_normalize(x, scale, bias, lead_ndim=lead, num_groups=self.num_groups,
-                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name)
+                               epsilon=self.epsilon, dtype=self.dtype, axis_name=self.axis_name,
+                               activation=self.activation)
 
 
 class BatchNorm(nnx.BatchNorm):

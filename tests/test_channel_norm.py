@@ -205,6 +205,23 @@ def test_group_norm_gradients_against_float64(dtype):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=atol * scale_)
 
 
+def test_gradients_of_a_float32_output_of_bf16_x():
+    """The cotangent arrives in float32 (y's dtype), the gradient in bf16."""
+    x = rand(53, (4, 6, 16), jnp.bfloat16)
+    scale, bias = params(54, 16, jnp.float32)
+    dy = rand(55, x.shape, jnp.float32)
+
+    def f(x, s, b):
+        return jaxnorm.group_norm(x, 4, s, b, dtype=jnp.float32)
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
+    assert [g.dtype for g in got] == [jnp.bfloat16, jnp.float32, jnp.float32]
+    f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
+    want = jax.vjp(lambda *a: _gn_f64(*a, 4, -1, False), *f64[:3])[1](f64[3])
+    for g, w, tol in zip(got, want, (3e-2, 1e-4, 1e-4)):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tol, atol=tol)
+
+
 def test_group_norm_gradients_float32():
     x = rand(22, (2, 4, 3, 8), jnp.float32)
     scale, bias = params(23, 8, jnp.float32)
@@ -390,3 +407,96 @@ def test_bad_input_is_named(call, error, match):
     x = jnp.ones((2, 3, 4, 8), jnp.float32)
     with pytest.raises(error, match=match):
         jax.jit(call)(x)
+
+
+# ------------------------------------ handlers and the jax.numpy lowering
+
+
+def _platform():
+    return jax.devices()[0].platform
+
+
+def _ffi(target, outs, *args, **attrs):
+    return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
+
+
+@pytest.mark.skipif(
+    "channel_norm_fwd" not in jaxnorm._ffi.KERNELS.get(_platform(), ()), reason="no kernel")
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("x_rank", "x must have rank 4"),
+        ("group_size", "group_size 3 does not divide the 8 channels"),
+        ("scale_len", r"scale has shape \(5,\), expected \(8,\)"),
+        ("mean_without_var", "takes mean and var, or returns mean_out and var_out"),
+        ("stats_dtype", "mean has dtype bfloat16, expected float32"),
+        ("bwd_dx", r"dx has shape \(2, 3, 8, 7\), expected \(2, 3, 8, 1\)"),
+        ("bwd_modes", "channel_norm_bwd returns"),
+        ("bwd_var", r"var has shape \(2, 3\), expected \(2, 4\)"),
+    ],
+)
+def test_channel_handlers_reject_inconsistent_buffers(case, match):
+    sd, f32 = jax.ShapeDtypeStruct, jnp.float32
+    x, e = jnp.ones((2, 3, 8, 1), f32), jnp.zeros((0,), f32)
+    stats = jnp.ones((2, 4), f32)
+    fwd_args = dict(x=x, scale=e, bias=e, mean=e, var=e)
+    fwd_outs = dict(y=sd(x.shape, f32), mean_out=sd((2, 4), f32), var_out=sd((2, 4), f32))
+    bwd_args = dict(x=x, scale=e, bias=e, mean=stats, var=stats, dy=x, means=e)
+    bwd_outs = dict(dx=sd(x.shape, f32), dscale=sd((0,), f32), dbias=sd((0,), f32),
+                    sums_out=sd((0,), f32))
+    changes = {
+        "x_rank": dict(x=x.reshape(2, 3, 8), y=sd((2, 3, 8), f32)),
+        "group_size": dict(group_size=np.int64(3)),
+        "scale_len": dict(scale=jnp.ones((5,), f32)),
+        "mean_without_var": dict(mean=stats),
+        "stats_dtype": dict(mean=stats.astype(jnp.bfloat16), var=stats,
+                            mean_out=sd((0,), f32), var_out=sd((0,), f32)),
+        "bwd_dx": dict(dx=sd((2, 3, 8, 7), f32)),
+        "bwd_modes": dict(means=jnp.ones((2, 4, 2), f32), sums_out=sd((2, 4, 2), f32)),
+        "bwd_var": dict(var=jnp.ones((2, 3), f32)),
+    }[case]
+    bwd = case.startswith("bwd")
+    args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
+    args = {k: changes.get(k, v) for k, v in args.items()}
+    outs = tuple(changes.get(k, v) for k, v in outs.items())
+    attrs = dict(group_size=changes.get("group_size", np.int64(2)), epsilon=np.float64(1e-5),
+                 silu=np.bool_(False))
+    target = "channel_norm_bwd" if bwd else "channel_norm_fwd"
+    with pytest.raises(Exception, match=match):
+        jax.block_until_ready(jax.jit(lambda: _ffi(target, outs, *args.values(), **attrs))())
+
+
+@pytest.mark.parametrize("silu", [False, True])
+def test_reference_lowering_matches_the_kernels(silu):
+    """The jax.numpy implementation that platforms without a kernel lower to
+    gives the kernels' results in every mode of the two targets."""
+    from jaxnorm import channel_norm as cn
+
+    x = rand(50, (2, 3, 8, 5), jnp.float64)
+    scale, bias = params(51, 8, jnp.float64)
+    dy = rand(52, x.shape, jnp.float64)
+    e = jnp.zeros((0,), jnp.float64)
+    common = dict(group_size=2, epsilon=1e-5, silu=silu)
+    impls = (cn.channel_norm_fwd_kernel_p.bind, cn._fwd_kernel_reference)
+    fwd = [jax.jit(functools.partial(f, **common, out_dtype=jnp.float64, write_output=True))(
+        x, scale, bias, e, e) for f in impls]
+    _close_all(*fwd)
+    _, mean, var = fwd[0]
+    given = [jax.jit(functools.partial(f, **common, out_dtype=jnp.float64, write_output=True))(
+        x, scale, bias, mean, var) for f in impls]
+    _close_all(*given)
+    np.testing.assert_allclose(given[0][0], fwd[0][0], rtol=1e-12, atol=1e-12)
+    bwd_impls = (cn.channel_norm_bwd_kernel_p.bind, cn._bwd_kernel_reference)
+    means = jnp.full((2, 4, 2), 0.25, jnp.float64)
+    for mode, m, param_grads in (("full", e, True), ("sums", e, True), ("dx", means, False),
+                                 ("dx", means, True)):
+        outs = [jax.jit(functools.partial(f, **common, mode=mode, param_grads=param_grads,
+                                          param_dtype=jnp.float64))(
+            x, scale, bias, mean, var, dy, m) for f in bwd_impls]
+        _close_all(*outs)
+
+
+def _close_all(got, want):
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)

@@ -213,3 +213,21 @@ def test_linen_batch_norm_synchronized_in_shard_map():
     got = jax.jit(sharded)(variables, x)
     want = single.apply(variables, x, mutable=["batch_stats"])
     _close(got, want, jnp.float32, scale=10)
+
+
+def test_group_norm_with_fused_silu():
+    """The one field beyond Flax's: silu(GroupNorm(x)) in one kernel, also
+    on the fallback path."""
+    x = rand(8, (2, 4, 4, 16), jnp.float32)
+    theirs = nn.GroupNorm(num_groups=4)
+    variables = _randomize(theirs.init(jax.random.key(0), x), 80)
+    want = jax.nn.silu(theirs.apply(variables, x))
+    ours = jaxnorm.linen.GroupNorm(num_groups=4, activation="silu")
+    _close(ours.apply(variables, x), want, jnp.float32)
+    mask = jnp.ones(x.shape, bool)
+    _close(ours.apply(variables, x, mask=mask), want, jnp.float32)
+    module = jaxnorm.nnx.GroupNorm(16, num_groups=4, activation="silu", rngs=nnx.Rngs(0))
+    reference = nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))
+    _close(module(x), jax.nn.silu(reference(x)), jnp.float32)
+    with pytest.raises(ValueError, match="activation must be None or 'silu'"):
+        jaxnorm.nnx.GroupNorm(16, num_groups=4, activation="gelu", rngs=nnx.Rngs(0))
