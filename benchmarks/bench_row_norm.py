@@ -1,9 +1,11 @@
-"""RMSNorm, LayerNorm and fused add+RMSNorm: jaxnorm against XLA's fused jnp
-implementation of the same math (same dtypes, float32 statistics) and, where
-they import, PyTorch eager, torch.compile and Liger-Kernel (torch_peers.py),
-as device kernel time, forward and forward+backward, on the large shapes and
-the decode shapes (more decode shapes for the forwards of RMSNorm and
-add+RMSNorm).
+"""RMSNorm, LayerNorm, fused add+RMSNorm, GroupNorm and BatchNorm: jaxnorm
+against XLA's fused jnp implementation of the same math (same dtypes, float32
+statistics) and, where they import, PyTorch eager, torch.compile and
+Liger-Kernel (torch_peers.py), as device kernel time, forward and
+forward+backward, on the large shapes and the decode shapes (more decode
+shapes for the forwards of RMSNorm and add+RMSNorm). GroupNorm (32 groups)
+and BatchNorm (training; evaluation, forward only) take NHWC bf16 x with
+float32 scale and bias, as in a Flax convolutional model.
 
 add+RMSNorm forward, jaxnorm: the fused kernel's time, as in a model or with x
 and residual donated, where it works in place; a standalone call on inputs that
@@ -66,22 +68,94 @@ def xla_add_rms_norm(x, residual, scale, epsilon=1e-6):
     return xla_rms_norm(h, scale, epsilon), h
 
 
+GROUPS = 32
+GROUP_SHAPES = [(16, 64, 64, 320), (8, 32, 32, 1280), (4, 128, 128, 128), (1, 512, 512, 64)]
+BATCH_SHAPES = [(256, 56, 56, 64), (128, 28, 28, 256), (64, 14, 14, 1024)]
+
+
+def xla_group_norm(x, scale, bias, epsilon=1e-5):
+    """NHWC GroupNorm as Flax's GroupNorm computes it (float32 statistics)."""
+    n, c = x.shape[0], x.shape[-1]
+    xg = x.astype(jnp.float32).reshape(n, -1, GROUPS, c // GROUPS)
+    mean = jnp.mean(xg, axis=(1, 3), keepdims=True)
+    var = jnp.mean(jnp.square(xg - mean), axis=(1, 3), keepdims=True)
+    y = ((xg - mean) * jax.lax.rsqrt(var + epsilon)).reshape(x.shape)
+    return (y * scale + bias).astype(x.dtype)
+
+
+def xla_batch_norm(x, scale, bias, running_mean, running_var, epsilon=1e-5, momentum=0.99):
+    """NHWC BatchNorm in training as Flax's computes it: (y, new running mean,
+    new running variance)."""
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    mean = jnp.mean(xf, axis=axes)
+    var = jnp.mean(jnp.square(xf - mean), axis=axes)
+    y = ((xf - mean) * jax.lax.rsqrt(var + epsilon) * scale + bias).astype(x.dtype)
+    return (y, momentum * running_mean + (1 - momentum) * mean,
+            momentum * running_var + (1 - momentum) * var)
+
+
+def xla_batch_norm_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5):
+    y = (x.astype(jnp.float32) - running_mean) * jax.lax.rsqrt(running_var + epsilon)
+    return (y * scale + bias).astype(x.dtype)
+
+
+def jaxnorm_group_norm(x, scale, bias):
+    return jaxnorm.group_norm(x, GROUPS, scale, bias)
+
+
+def jaxnorm_batch_norm(x, scale, bias, running_mean, running_var):
+    return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=True)
+
+
+def jaxnorm_batch_norm_eval(x, scale, bias, running_mean, running_var):
+    return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=False)[0]
+
+
 IMPLS = {
     "rms_norm": {"jaxnorm": jaxnorm.rms_norm, "xla": xla_rms_norm},
     "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm},
     "add_rms_norm": {"jaxnorm": jaxnorm.add_rms_norm, "xla": xla_add_rms_norm},
+    "group_norm": {"jaxnorm": jaxnorm_group_norm, "xla": xla_group_norm},
+    "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm},
+    "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
 }
-# The bars, percent of the measured copy bandwidth on the LARGE shapes.
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
+PASSES = {"batch_norm_eval": ("fwd",)}  # others: fwd and fwd+bwd
+# The bars: percent of the measured copy bandwidth on the large shapes, and
+# jaxnorm's speed-up over XLA on every shape.
 BARS = {("fwd", "rms_norm"): 90, ("fwd", "layer_norm"): 90, ("fwd", "add_rms_norm"): 90,
-        ("fwd+bwd", "rms_norm"): 85, ("fwd+bwd", "layer_norm"): 85}
-# bytes moved per element of x, at the least
-BYTES = {("fwd", False): 2, ("fwd+bwd", False): 3, ("fwd", True): 4, ("fwd+bwd", True): 5}
+        ("fwd+bwd", "rms_norm"): 85, ("fwd+bwd", "layer_norm"): 85,
+        ("fwd", "group_norm"): 75, ("fwd+bwd", "group_norm"): 65,
+        ("fwd", "batch_norm_eval"): 85}
+XLA_BARS = {("fwd", "group_norm"): 2.0, ("fwd+bwd", "group_norm"): 2.0,
+            ("fwd", "batch_norm"): 1.5, ("fwd+bwd", "batch_norm"): 1.5}
+
+
+def bytes_per_element(op, pass_):
+    """Bytes each op must move per element of x, at the least (in x's dtype):
+    read x and write y; forward+backward read x and dy and write dx; the
+    residual add reads and writes one more."""
+    return (2 if pass_ == "fwd" else 3) + (2 if op.startswith("add") else 0)
+
+
+def large_shapes(op):
+    return {"group_norm": GROUP_SHAPES, "batch_norm": BATCH_SHAPES,
+            "batch_norm_eval": BATCH_SHAPES}.get(op, LARGE)
 
 
 def inputs(op, shape, dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     dy = jnp.asarray(rng.standard_normal(shape), dtype)
+    if op in CHANNEL_OPS:  # float32 parameters (and running statistics)
+        c = shape[-1]
+        params = [jnp.asarray(rng.standard_normal(c) + 1, jnp.float32),
+                  jnp.asarray(rng.standard_normal(c), jnp.float32)]
+        if op.startswith("batch_norm"):
+            params += [jnp.asarray(rng.standard_normal(c), jnp.float32),
+                       jnp.asarray(np.abs(rng.standard_normal(c)) + 0.5, jnp.float32)]
+        return x, params, dy
     params = [jnp.asarray(rng.standard_normal(shape[-1]) + 1, dtype)]
     if op == "add_rms_norm":  # residual first; dy: the cotangents of y and h
         params.insert(0, jnp.asarray(rng.standard_normal(shape), dtype))
@@ -104,18 +178,32 @@ def _jax_call(op, impl, pass_, shape, dtype):
     x, params, dy = inputs(op, shape, dtype)
     if pass_ == "fwd":
         return jax.jit(f), x, *params
+    if op == "batch_norm":  # the gradients of x, scale and bias through y
+        def f(x, scale, bias, *running, f=f):
+            return f(x, scale, bias, *running)[0]
+
+        differentiable = 3
+    else:
+        differentiable = 1 + len(params)
+
     # the primal output is unused, as under jax.grad
-    return jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), x, dy, *params
+    def grads(x, dy, *p):
+        fixed = p[differentiable - 1:]
+        return jax.vjp(lambda *a: f(*a, *fixed), x, *p[:differentiable - 1])[1](dy)
+
+    return jax.jit(grads), x, dy, *params
 
 
 def shapes_for(op, pass_, shapes):
     if shapes is not None:
         return shapes
+    if op in CHANNEL_OPS:
+        return large_shapes(op)
     return LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
 
 
 def measure(ops, shapes, dtype, peers):
-    cases = [(op, pass_, shape) for op in ops for pass_ in ("fwd", "fwd+bwd")
+    cases = [(op, pass_, shape) for op in ops for pass_ in PASSES.get(op, ("fwd", "fwd+bwd"))
              for shape in shapes_for(op, pass_, shapes)]
     times = {(op, pass_, shape): {impl: timed(op, impl, pass_, shape, dtype)
                                   for impl in IMPLS[op]}
@@ -125,7 +213,7 @@ def measure(ops, shapes, dtype, peers):
             times[case].update(peer_times)
     records = []
     for (op, pass_, shape), by_impl in times.items():
-        nbytes = BYTES[pass_, op.startswith("add")] * shape[0] * shape[1] * dtype.itemsize
+        nbytes = bytes_per_element(op, pass_) * int(np.prod(shape)) * dtype.itemsize
         for impl, us in by_impl.items():
             records.append(dict(
                 op=op, **{"pass": pass_}, shape=list(shape), dtype=dtype.name, impl=impl,
@@ -153,7 +241,7 @@ def table(records, copy):
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
     for (op, pass_, shape), by_impl in cases.items():
         ours = by_impl.get("jaxnorm")
-        cells = [op, pass_, f"{shape[0]}x{shape[1]}"]
+        cells = [op, pass_, _shape(shape)]
         cells += [f"{by_impl[i]['us']:.1f}" if i in by_impl else "-" for i in impls]
         cells.append(f"{100 * ours['gbps'] / copy:.0f}%" if ours else "-")
         cells += [f"{by_impl[i]['us'] / ours['us']:.2f}" if ours and i in by_impl else "-"
@@ -169,12 +257,21 @@ def standing(records, copy):
     lines = ["Against the bars (percent of copy on the large shapes):", ""]
     for (pass_, op), bar in BARS.items():
         got = [(shape, 100 * cases[op, pass_, shape]["jaxnorm"]["gbps"] / copy)
-               for shape in LARGE if "jaxnorm" in cases.get((op, pass_, shape), {})]
+               for shape in large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
         if not got:
             continue
-        below = [f"{t}x{h}" for (t, h), pct in got if pct < bar]
+        below = [_shape(shape) for shape, pct in got if pct < bar]
         lines.append(f"- {op} {pass_} (bar {bar}%): "
                      + ", ".join(f"{pct:.0f}" for _, pct in got)
+                     + (f"; below: {', '.join(below)}" if below else "; all above"))
+    for (pass_, op), bar in XLA_BARS.items():
+        got = [(shape, cases[op, pass_, shape]["jaxnorm"]["vs_xla"])
+               for shape in large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
+        if not got:
+            continue
+        below = [_shape(shape) for shape, ratio in got if ratio < bar]
+        lines.append(f"- {op} {pass_} (bar {bar:.1f}x XLA): "
+                     + ", ".join(f"{ratio:.2f}x" for _, ratio in got)
                      + (f"; below: {', '.join(below)}" if below else "; all above"))
     slower = []
     for (op, pass_, shape), by_impl in cases.items():
@@ -182,7 +279,7 @@ def standing(records, copy):
         losses = [f"{i} {r['us'] / ours['us']:.2f}" for i, r in by_impl.items()
                   if ours and i != "jaxnorm" and r["us"] < ours["us"]]
         if losses:
-            slower.append(f"{op} {pass_} {shape[0]}x{shape[1]} ({', '.join(losses)})")
+            slower.append(f"{op} {pass_} {_shape(shape)} ({', '.join(losses)})")
     lines += ["", "Faster than jaxnorm (their time over jaxnorm's below 1): "
               + ("; ".join(slower) if slower else "none") + "."]
     return lines
@@ -215,7 +312,7 @@ def chart(records, copy, title, path):
             ax.bar(xs, ys, width, label=impl)
         ax.axhline(copy, color="black", linestyle="--", linewidth=1)
         ax.text(len(shapes) - 0.5, copy, f"copy {copy:.0f} GB/s", ha="right", va="bottom")
-        ax.set_xticks(range(len(shapes)), [f"{t}x{h}" for t, h in shapes], fontsize=8)
+        ax.set_xticks(range(len(shapes)), [_shape(s) for s in shapes], fontsize=8)
         ax.set_ylabel("GB/s")
         ax.set_ylim(0, copy * 1.15)
         ax.set_title(f"{op} {pass_}", loc="left")
@@ -267,7 +364,9 @@ def main():
         peers=peers, torch=_torch_version(),
         bytes="fwd: read x + write y; fwd+bwd: read x, dy + write dx (primal output unused); "
               "add_rms_norm fwd: read x, residual + write y, h; fwd+bwd: read x, residual, "
-              "dy, dh + write dx (= dresidual). torch's forward+backward also writes y.",
+              "dy, dh + write dx (= dresidual). torch's forward+backward also writes y. "
+              "GroupNorm and BatchNorm: NHWC x, float32 parameters (the bytes of x only); "
+              "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW.",
     )
     if earlier is not None:
         base = earlier["meta"]
@@ -288,6 +387,10 @@ def main():
     ]
     write_results(args.out, "row_norm", device, meta, records, "\n".join(lines))
     chart(records, copy, title, stem + ".png")
+
+
+def _shape(shape):
+    return "x".join(str(d) for d in shape)
 
 
 def _case(r):

@@ -5,7 +5,8 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
 # STEPS picks what runs after the build (unset: tests plans bench; also
 # "examples", which runs examples/ on the machine's GPUs, "model", the
-# Llama-style model benchmark, and "sanitize", the row-norm tests under
+# Llama-style model benchmark, "unet", the convolutional models' benchmark
+# (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K); SKIP_BUILD=1 keeps an earlier build;
 # BWD_ROLES=1 builds the trial warp-role backward into the handlers
@@ -52,7 +53,7 @@ fi
 
 if step examples; then
   echo "== examples"
-  for ex in quickstart sharded_training llama_train; do
+  for ex in quickstart sharded_training llama_train unet_train; do
     (cd /tmp && python3 "$repo/examples/$ex.py" 2>&1) | tee "$OUT/example_$ex.log" | tail -12
   done
 fi
@@ -111,5 +112,9 @@ fi
 if step model; then
   echo "== model benchmark"
   (cd benchmarks && python3 bench_llama.py --out "$OUT") 2>&1 | tee "$OUT/bench_llama.log" | tail -12
+fi
+if step unet; then
+  echo "== convolutional models benchmark"
+  (cd benchmarks && python3 bench_unet.py --out "$OUT") 2>&1 | tee "$OUT/bench_unet.log" | tail -8
 fi
 exit "$tests_rc"

@@ -21,7 +21,10 @@ import tempfile
 
 from devtime import kernel_summary, sum_kernel_medians
 
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6}
+EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6, "group_norm": 1e-5,
+       "batch_norm": 1e-5, "batch_norm_eval": 1e-5}
+GROUPS = 32  # as bench_row_norm.py's
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
 
 
 def available() -> list[str]:
@@ -59,7 +62,27 @@ def _reference(op):
         h = x + r
         return rms(h, w), h
 
-    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms}[op]
+    def group(x, w, b):  # x NHWC
+        n, c = x.shape[0], x.shape[-1]
+        xg = x.float().reshape(n, -1, GROUPS, c // GROUPS)
+        mean = xg.mean((1, 3), keepdim=True)
+        var = (xg - mean).square().mean((1, 3), keepdim=True)
+        y = ((xg - mean) * torch.rsqrt(var + EPS["group_norm"])).reshape(x.shape)
+        return (y * w + b).to(x.dtype)
+
+    def batch(x, w, b, rm, rv):  # x NHWC; y and the updated running statistics
+        xf = x.float()
+        mean = xf.mean((0, 1, 2))
+        var = (xf - mean).square().mean((0, 1, 2))
+        y = ((xf - mean) * torch.rsqrt(var + EPS["batch_norm"]) * w + b).to(x.dtype)
+        return y, 0.99 * rm + 0.01 * mean, 0.99 * rv + 0.01 * var
+
+    def batch_eval(x, w, b, rm, rv):
+        y = (x.float() - rm) * torch.rsqrt(rv + EPS["batch_norm_eval"])
+        return (y * w + b).to(x.dtype)
+
+    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
+            "batch_norm": batch, "batch_norm_eval": batch_eval}[op]
 
 
 def _eager(op):
@@ -75,7 +98,18 @@ def _eager(op):
         h = x + r
         return rms(h, w), h
 
-    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms}[op]
+    def group(x, w, b):  # x NCHW, contiguous
+        return F.group_norm(x, GROUPS, w, b, EPS["group_norm"])
+
+    def batch(x, w, b, rm, rv):  # x NCHW, channels-last (cuDNN's NHWC kernels)
+        return F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.01,
+                            eps=EPS["batch_norm"])
+
+    def batch_eval(x, w, b, rm, rv):
+        return F.batch_norm(x, rm, rv, w, b, training=False, eps=EPS["batch_norm_eval"])
+
+    return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
+            "batch_norm": batch, "batch_norm_eval": batch_eval}[op]
 
 
 def _liger(op):
@@ -98,6 +132,29 @@ def _function(op, impl):
         return _liger(op)
     torch._dynamo.reset()  # a fresh static-shape compilation for each case
     return torch.compile(_reference(op), dynamic=False)
+
+
+def _channel_inputs(op, impl, shape, dtype, grad):
+    """NHWC `shape`: x as the implementation takes it (torch.compile NHWC,
+    torch's GroupNorm NCHW, its BatchNorm channels-last), float32 parameters
+    (with grad where asked) and running statistics; and dy."""
+    import torch
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*s, dt=torch.float32):
+        return torch.randn(*s, generator=g, device="cuda", dtype=torch.float32).to(dt)
+
+    x, dy = randn(*shape, dt=dtype), randn(*shape, dt=dtype)
+    if impl == "torch":  # to NCHW
+        x, dy = x.permute(0, 3, 1, 2), dy.permute(0, 3, 1, 2)
+        layout = torch.channels_last if op.startswith("batch") else torch.contiguous_format
+        x, dy = x.contiguous(memory_format=layout), dy.contiguous(memory_format=layout)
+    c = shape[-1]
+    params = [randn(c) + 1, randn(c)]
+    args = [a.requires_grad_(grad) for a in (x, *params)]
+    if op.startswith("batch"):
+        args += [randn(c), randn(c).abs() + 0.5]  # running statistics
+    return args, [dy]
 
 
 def _inputs(op, shape, dtype, grad):
@@ -147,7 +204,12 @@ def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, f
     import torch
     dtype = getattr(torch, dtype_name)
     f = _function(op, impl)
-    args, cotangents = _inputs(op, shape, dtype, pass_ != "fwd")
+    grad = pass_ != "fwd"
+    if op in CHANNEL_OPS:
+        args, cotangents = _channel_inputs(op, impl, shape, dtype, grad)
+    else:
+        args, cotangents = _inputs(op, shape, dtype, grad)
+    wrt = [a for a in args if a.requires_grad]
     if pass_ == "fwd":
         def call():
             with torch.no_grad():
@@ -156,7 +218,7 @@ def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, f
         def call():
             out = f(*args)
             out = out if isinstance(out, tuple) else (out,)
-            return torch.autograd.grad(out, args, cotangents)
+            return torch.autograd.grad(out[:len(cotangents)], wrt, cotangents)
     return kernel_times(call)
 
 

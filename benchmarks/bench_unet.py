@@ -1,0 +1,107 @@
+"""The convolutional models of examples/unet_train.py with jaxnorm's GroupNorm
+and BatchNorm against the same models with Flax's: device time of a training
+step (sum of kernel durations, as devtime.py measures them), bf16.
+
+- unet: the UNet-style denoiser (GroupNorm + SiLU + conv blocks), batch 16 of
+  64x64 images, 128 channels in its first stage;
+- resnet: the conv + BatchNorm + ReLU classifier, batch 128 of 56x56 images,
+  64 channels, on one device.
+
+The variants take turns, `--repeats` times each (a fresh compilation each
+time), and the table gives the median with its range.
+
+  python benchmarks/bench_unet.py --out DIR [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+from devtime import kernel_times_or_wall, write_results
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+from unet_train import (  # noqa: E402
+    Config,
+    ResNet,
+    UNet,
+    images,
+    labelled_images,
+    make_classify_step,
+    make_denoise_step,
+)
+
+MODELS = {  # name: (batch, image size, channels)
+    "unet": (16, 64, 128),
+    "resnet": (128, 56, 64),
+}
+TINY = {"unet": (2, 16, 32), "resnet": (4, 16, 32)}  # --tiny: checks the script
+
+
+def step_time_us(model_name: str, norms: str, batch: int, size: int, channels: int) -> float:
+    cfg = Config(norms=norms, channels=channels, dtype=jnp.bfloat16)
+    if model_name == "unet":
+        model = UNet(cfg)
+        x0 = images(jax.random.key(0), batch, size)
+        params = model.init(jax.random.key(1), x0.astype(cfg.dtype))
+        tx = optax.adam(1e-3)
+        args = (params, tx.init(params), x0, jax.random.key(2))
+        step = make_denoise_step(model, tx)
+    else:
+        model = ResNet(cfg)
+        x, labels = labelled_images(jax.random.key(3), batch, size)
+        variables = model.init(jax.random.key(4), x.astype(cfg.dtype), train=False)
+        tx = optax.adam(1e-3)
+        args = (variables, tx.init(variables["params"]), x, labels)
+        step = jax.jit(make_classify_step(model, tx))
+    kernels = kernel_times_or_wall(step, *args, iters=10, warmup=2)
+    return sum(kernels.values())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="small models, to check the script")
+    args = ap.parse_args()
+    device = jax.devices()[0].device_kind
+    sizes = TINY if args.tiny else MODELS
+    records, lines = [], []
+    for name, (batch, size, channels) in sizes.items():
+        times = {"jaxnorm": [], "flax": []}
+        for _ in range(args.repeats):
+            for norms in times:
+                times[norms].append(step_time_us(name, norms, batch, size, channels))
+                print(f"# {name} [{norms}]: {times[norms][-1]:.0f} µs", flush=True)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ratio = med["flax"] / med["jaxnorm"]
+        records.append(dict(model=name, batch=batch, size=size, channels=channels,
+                            us={k: [round(t, 1) for t in v] for k, v in times.items()},
+                            median_us={k: round(v, 1) for k, v in med.items()},
+                            flax_over_jaxnorm=round(ratio, 3)))
+        lines.append(f"| {name} | {batch}x{size}x{size}, {channels} ch | "
+                     + " | ".join(f"{med[k]:.0f} ({min(v):.0f}-{max(v):.0f})"
+                                  for k, v in times.items())
+                     + f" | {ratio:.2f} |")
+    table = "\n".join([
+        f"Device: {device}; date {datetime.date.today().isoformat()}; jax {jax.__version__}; "
+        f"bf16; device time of a training step, µs: median of {args.repeats} compilations "
+        "(range).",
+        "",
+        "| model | batch | jaxnorm | flax | flax / jaxnorm |",
+        "|---|---|---:|---:|---:|",
+        *lines,
+    ])
+    meta = dict(device=device, date=datetime.date.today().isoformat(), jax=jax.__version__,
+                repeats=args.repeats)
+    write_results(args.out, "unet", device, meta, records, table)
+
+
+if __name__ == "__main__":
+    main()
