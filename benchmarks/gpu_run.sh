@@ -9,9 +9,10 @@
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K); SKIP_BUILD=1 keeps an earlier build;
-# BWD_ROLES=1 builds the trial warp-role backward into the handlers
-# (CMakeLists.txt); BENCH_ARGS go to bench_row_norm.py; TESTS picks test
-# files (default: all); the step "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
+# BWD_ROLES=1 builds the trial warp-role backward into the handlers and
+# CHANNEL_CUDA=1 the trial channel-norm kernels (CMakeLists.txt); BENCH_ARGS
+# go to bench_row_norm.py; TESTS picks test files (default: all); the step
+# "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
 export PATH=/usr/local/cuda/bin:$PATH
@@ -37,6 +38,7 @@ elif ! python3 -m pip install --no-build-isolation --no-deps -v \
     -C cmake.define.JAXNORM_CUDA=ON \
     -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
     -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
+    -C cmake.define.JAXNORM_CHANNEL_CUDA="$([ "${CHANNEL_CUDA:-0}" = 1 ] && echo ON || echo OFF)" \
     . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; exit 1
 fi

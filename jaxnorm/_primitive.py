@@ -37,6 +37,7 @@ def define_kernel_primitive(
     attributes: Callable[..., dict[str, Any]],
     aliases: Callable[..., dict[int, int]] | None = None,
     rewrite_operands: Callable[..., tuple[Any, Sequence[Any]]] | None = None,
+    supports: Callable[..., bool] | None = None,
 ) -> Primitive:
     """The primitive of one FFI target `name`, on the kernel's own operands.
 
@@ -48,18 +49,32 @@ def define_kernel_primitive(
     reuse ({operand: result}); XLA copies an operand that is still live.
     `rewrite_operands(ctx, operands, **params)` may swap the handler's MLIR
     operands (and ctx's avals) for others it accepts, from what produced them.
+    `supports(platform, *avals, **params)` says whether a platform's handler
+    takes a call (some take one layout only); where not, it lowers to
+    `reference`.
     """
     prim = Primitive(TARGET_PREFIX + name + "_kernel")
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     cacheable = rewrite_operands is None  # else lowered where it is
-    mlir.register_lowering(prim, mlir.lower_fun(reference, multiple_results=True),
-                           cacheable=cacheable)
+    by_reference = mlir.lower_fun(reference, multiple_results=True)
+    mlir.register_lowering(prim, by_reference, cacheable=cacheable)
     for platform, names in KERNELS.items():
         if name in names:
             rule = _ffi_lowering(TARGET_PREFIX + name, attributes, aliases, rewrite_operands)
+            if supports is not None:
+                rule = _kernel_where_supported(rule, by_reference,
+                                               functools.partial(supports, platform))
             mlir.register_lowering(prim, rule, platform=platform, cacheable=cacheable)
     return prim
+
+
+def _kernel_where_supported(kernel_rule, reference_rule, supported):
+    def rule(ctx, *args, **params):
+        use = kernel_rule if supported(*ctx.avals_in, **params) else reference_rule
+        return use(ctx, *args, **params)
+
+    return rule
 
 
 def define_row_primitive(

@@ -124,11 +124,18 @@ def _attributes(*, group_size, epsilon, silu, **_):
             "silu": np.bool_(silu)}
 
 
+def _supports(platform, x, *_, **__):
+    """The CUDA kernels take channels-last x only (B == 1); other layouts run
+    as jax.numpy there."""
+    return platform != "cuda" or x.shape[3] == 1
+
+
 channel_norm_fwd_kernel_p = define_kernel_primitive(
     "channel_norm_fwd",
     abstract_eval=_fwd_kernel_abstract,
     reference=_fwd_kernel_reference,
     attributes=_attributes,
+    supports=_supports,
 )
 
 
@@ -190,6 +197,7 @@ channel_norm_bwd_kernel_p = define_kernel_primitive(
     abstract_eval=_bwd_kernel_abstract,
     reference=_bwd_kernel_reference,
     attributes=_attributes,
+    supports=_supports,
 )
 
 

@@ -185,6 +185,10 @@ def test_nnx_batch_norm_train_and_eval_views():
     _close(nnx.state(ours, nnx.BatchStat), before, jnp.float32, scale=0)
     ours.train()
     _close(ours(x, use_running_average=True), theirs(x), jnp.float32)  # the call's flag wins
+    # nnx.view's train/eval views
+    evaluating = nnx.view(ours, use_running_average=True)
+    _close(evaluating(x), theirs(x), jnp.float32)
+    _close(nnx.state(ours, nnx.BatchStat), before, jnp.float32, scale=0)
 
     def loss(model, x):
         return jnp.sum(jnp.sin(model(x)))

@@ -5,15 +5,25 @@
 // without a handler on a platform lowers to jax.numpy there.
 #pragma once
 
+#ifdef JAXNORM_WITH_CUDA_CHANNEL_NORM  // a trial build (CMakeLists.txt)
+#define JAXNORM_CUDA_CHANNEL_TARGETS(X) \
+  X(channel_norm_fwd)                   \
+  X(channel_norm_bwd)
+#else
+#define JAXNORM_CUDA_CHANNEL_TARGETS(X)
+#endif
+
 #define JAXNORM_CUDA_FFI_TARGETS(X) \
   X(row_norm_fwd)                   \
-  X(row_norm_bwd)
+  X(row_norm_bwd)                   \
+  JAXNORM_CUDA_CHANNEL_TARGETS(X)
 
-#define JAXNORM_FFI_TARGETS(X)   \
-  JAXNORM_CUDA_FFI_TARGETS(X)    \
-  X(channel_norm_fwd)            \
-  X(channel_norm_bwd)            \
-  X(local_response_norm_fwd)     \
-  X(local_response_norm_bwd)     \
-  X(channel_softmax_fwd)         \
+#define JAXNORM_FFI_TARGETS(X) \
+  X(row_norm_fwd)              \
+  X(row_norm_bwd)              \
+  X(channel_norm_fwd)          \
+  X(channel_norm_bwd)          \
+  X(local_response_norm_fwd)   \
+  X(local_response_norm_bwd)   \
+  X(channel_softmax_fwd)       \
   X(channel_softmax_bwd)

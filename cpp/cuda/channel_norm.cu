@@ -1,0 +1,236 @@
+// FFI handlers for GroupNorm, InstanceNorm and BatchNorm on CUDA
+// (channel_args.h): argument checks, dtype dispatch, the tiling of x and the
+// scratch the kernels (channel_norm_kernels.cuh) pass their partial results
+// through. They take channels-last x (B == 1); jaxnorm/channel_norm.py lowers
+// other layouts to jax.numpy on GPUs.
+#include "common/channel_args.h"
+#include "cuda/channel_norm_kernels.cuh"
+
+namespace jaxnorm::cuda {
+namespace {
+
+// The tiling of x (N, A, C) with V channels a thread, and the per-tile
+// results' element size. A block covers at most 32 vectors of a row, split
+// evenly, so that it takes at least 8 rows at a time: the fewer tiles then
+// give the blocks wanted (about four an SM), and the fewer per-tile results
+// pass through scratch, which is held to a sixteenth of x's bytes.
+Tiles plan_tiles(const ChannelNormShape& s, int vec, size_t x_bytes, size_t result_bytes,
+                 const DeviceInfo& dev) {
+  Tiles t;
+  t.n = s.n, t.rows = s.a, t.c = s.c, t.vec = vec;
+  t.lanes = s.c / vec;
+  t.slabs = (t.lanes + 31) / 32;
+  t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
+  t.row_sets = kChannelThreads / t.lanes_per_block;
+  const int64_t wanted = 4 * int64_t(dev.sms);
+  int64_t tiles = (wanted + t.n * t.slabs - 1) / (t.n * t.slabs);
+  const int64_t most = (t.rows + t.row_sets - 1) / t.row_sets;  // tiles of a block's rows
+  const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
+  tiles = tiles > most ? most : tiles;
+  tiles = tiles > by_bytes ? by_bytes : tiles;
+  tiles = tiles < 1 ? 1 : tiles;
+  t.tile_rows = (t.rows + tiles - 1) / tiles;
+  t.tiles = (t.rows + t.tile_rows - 1) / t.tile_rows;
+  return t;
+}
+
+// Groups a group_stats / group_sums block covers: about 128 channels' worth.
+int64_t groups_per_block(const ChannelNormShape& s) {
+  return s.group_size >= 128 ? 1 : 128 / s.group_size;
+}
+
+int64_t group_blocks(const ChannelNormShape& s) {
+  const int64_t per = groups_per_block(s);
+  return s.n * ((s.groups + per - 1) / per);
+}
+
+// Scratch of `count` values of A, in one allocation per call (kept in order).
+template <typename A>
+ffi::Error scratch_of(ffi::ScratchAllocator& scratch, int64_t count, A** out) {
+  if (count == 0) {
+    *out = nullptr;
+    return ffi::Error::Success();
+  }
+  auto mem = scratch.Allocate(size_t(count) * sizeof(A), 16);
+  if (!mem.has_value()) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                      "jaxnorm: cannot allocate " + std::to_string(count * sizeof(A)) +
+                          " bytes of scratch for channel_norm");
+  }
+  *out = static_cast<A*>(*mem);
+  return ffi::Error::Success();
+}
+
+// Calls f(integral_constant<V>) with V channels a thread: a 16-byte vector
+// where C and every pointer allow it, else one.
+template <typename X, typename F>
+ffi::Error with_channel_vec(int64_t c, std::initializer_list<const void*> ptrs, F&& f) {
+  constexpr int kVec = 16 / sizeof(X);
+  bool ok = c % kVec == 0;
+  for (const void* q : ptrs) ok = ok && (q == nullptr || aligned16(q));
+  if (ok) return f(std::integral_constant<int, kVec>{});
+  return f(std::integral_constant<int, 1>{});
+}
+
+ffi::Error zero_outputs(cudaStream_t stream, std::initializer_list<ffi::Result<AnyBuffer>*> outs) {
+  for (auto* out : outs) {
+    if ((*out)->size_bytes() == 0) continue;
+    if (cudaMemsetAsync((*out)->untyped_data(), 0, (*out)->size_bytes(), stream) !=
+        cudaSuccess) {
+      return last_launch_error("channel_norm (memset)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error layout_error(const ChannelNormShape& s) {
+  return ffi::Error::InvalidArgument(
+      "jaxnorm: channel_norm on CUDA takes channels-last x (B == 1), got B = " +
+      std::to_string(s.b));
+}
+
+template <typename X, typename Y, typename W, int V>
+ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
+                      const ChannelNormShape& s, double epsilon, bool silu, bool given,
+                      bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
+                      acc_t<X>* var, Y* y) {
+  using A = acc_t<X>;
+  const Tiles t = plan_tiles(s, V, sizeof(X), 3 * sizeof(A), dev);
+  A *partial = nullptr, *chan = nullptr, *coef = nullptr;
+  if (!given) {
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
+    tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
+  }
+  JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &coef));
+  group_stats<X, W><<<group_blocks(s), kChannelThreads, 0, stream>>>(
+      partial, chan, p, t, s.group_size, groups_per_block(s), epsilon, given, mean, var, coef);
+  if (write_y) apply_affine<X, Y, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
+      x, coef, silu, t, y);
+  return last_launch_error("channel_norm_fwd");
+}
+
+ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
+                                 ffi::ScratchAllocator scratch, AnyBuffer x, AnyBuffer scale,
+                                 AnyBuffer bias, AnyBuffer mean, AnyBuffer var,
+                                 ffi::Result<AnyBuffer> y, ffi::Result<AnyBuffer> mean_out,
+                                 ffi::Result<AnyBuffer> var_out, int64_t group_size,
+                                 double epsilon, bool silu) {
+  ChannelNormShape s;
+  bool given = false, write_y = true;
+  JAXNORM_RETURN_IF_ERROR(check_channel_norm_fwd(x, scale, bias, mean, var, *y, *mean_out,
+                                                 *var_out, group_size, epsilon, &s, &given,
+                                                 &write_y));
+  if (s.b != 1) return layout_error(s);
+  if (s.size() == 0) return zero_outputs(stream, {&mean_out, &var_out});
+  const DeviceInfo& dev = device_info(device);
+  const DataType ydt = write_y ? y->element_type() : x.element_type();
+  const DataType wdt = s.has_scale ? scale.element_type() : s.has_bias ? bias.element_type()
+                                                                       : x.element_type();
+  void* mean_p = given ? mean.untyped_data() : mean_out->untyped_data();
+  void* var_p = given ? var.untyped_data() : var_out->untyped_data();
+  return dispatch_row_types(x.element_type(), ydt, wdt, [&](auto xt, auto yt, auto wt) {
+    using X = native_t<decltype(xt)>;
+    using Y = native_t<decltype(yt)>;
+    using W = native_t<decltype(wt)>;
+    using A = acc_t<X>;
+    const ChannelParams<W> p{s.has_scale ? static_cast<const W*>(scale.untyped_data()) : nullptr,
+                             s.has_bias ? static_cast<const W*>(bias.untyped_data()) : nullptr};
+    const void* y_p = write_y ? y->untyped_data() : nullptr;
+    return with_channel_vec<X>(s.c, {x.untyped_data(), y_p}, [&](auto v) {
+      return launch_fwd<X, Y, W, decltype(v)::value>(
+          stream, dev, scratch, s, epsilon, silu, given, write_y,
+          static_cast<const X*>(x.untyped_data()), p, static_cast<A*>(mean_p),
+          static_cast<A*>(var_p), static_cast<Y*>(y->untyped_data()));
+    });
+  });
+}
+
+template <typename X, typename G, typename W, int V>
+ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
+                      const ChannelNormShape& s, double epsilon, bool silu, ChannelBwdMode mode,
+                      bool params_out, const X* x, const G* dy, ChannelParams<W> p,
+                      const acc_t<X>* mean, const acc_t<X>* var, const acc_t<X>* means, X* dx,
+                      W* dscale, W* dbias, acc_t<X>* sums_out) {
+  using A = acc_t<X>;
+  const Tiles t = plan_tiles(s, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev);
+  const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
+  const bool dx_out = mode != ChannelBwdMode::kSums;
+  A *partial = nullptr, *chan = nullptr, *coef = nullptr;
+  if (from_tiles) {
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 2, &partial));
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &chan));
+    tile_sums<X, G, W, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
+        x, dy, p, mean, var, s.group_size, epsilon, silu, t, partial);
+  }
+  if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
+  const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out};
+  group_sums<X, W><<<group_blocks(s), kChannelThreads, 0, stream>>>(
+      partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
+      s.group_size, groups_per_block(s), epsilon, gmode, sums_out, coef);
+  if (params_out && (dscale || dbias)) {
+    param_grads<X, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
+                        stream>>>(chan, s.n, s.c, dscale, dbias);
+  }
+  if (dx_out) apply_dx<X, G, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
+      x, dy, coef, silu, t, dx);
+  return last_launch_error("channel_norm_bwd");
+}
+
+ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
+                                 ffi::ScratchAllocator scratch, AnyBuffer x, AnyBuffer scale,
+                                 AnyBuffer bias, AnyBuffer mean, AnyBuffer var, AnyBuffer dy,
+                                 AnyBuffer means, ffi::Result<AnyBuffer> dx,
+                                 ffi::Result<AnyBuffer> dscale, ffi::Result<AnyBuffer> dbias,
+                                 ffi::Result<AnyBuffer> sums_out, int64_t group_size,
+                                 double epsilon, bool silu) {
+  ChannelNormShape s;
+  ChannelBwdMode mode;
+  bool params_out = false;
+  JAXNORM_RETURN_IF_ERROR(check_channel_norm_bwd(x, scale, bias, mean, var, dy, means, *dx,
+                                                 *dscale, *dbias, *sums_out, group_size,
+                                                 epsilon, &s, &mode, &params_out));
+  if (s.b != 1) return layout_error(s);
+  if (s.size() == 0) return zero_outputs(stream, {&dscale, &dbias, &sums_out});
+  const DeviceInfo& dev = device_info(device);
+  const DataType wdt = s.has_scale ? scale.element_type() : s.has_bias ? bias.element_type()
+                                                                       : x.element_type();
+  return dispatch_row_types(x.element_type(), dy.element_type(), wdt,
+                            [&](auto xt, auto gt, auto wt) {
+    using X = native_t<decltype(xt)>;
+    using G = native_t<decltype(gt)>;
+    using W = native_t<decltype(wt)>;
+    using A = acc_t<X>;
+    const ChannelParams<W> p{s.has_scale ? static_cast<const W*>(scale.untyped_data()) : nullptr,
+                             s.has_bias ? static_cast<const W*>(bias.untyped_data()) : nullptr};
+    W* ds = params_out && s.has_scale ? static_cast<W*>(dscale->untyped_data()) : nullptr;
+    W* db = params_out && s.has_bias ? static_cast<W*>(dbias->untyped_data()) : nullptr;
+    const void* dx_p = mode == ChannelBwdMode::kSums ? nullptr : dx->untyped_data();
+    return with_channel_vec<X>(s.c, {x.untyped_data(), dy.untyped_data(), dx_p}, [&](auto v) {
+      return launch_bwd<X, G, W, decltype(v)::value>(
+          stream, dev, scratch, s, epsilon, silu, mode, params_out,
+          static_cast<const X*>(x.untyped_data()), static_cast<const G*>(dy.untyped_data()), p,
+          static_cast<const A*>(mean.untyped_data()), static_cast<const A*>(var.untyped_data()),
+          static_cast<const A*>(means.untyped_data()), static_cast<X*>(dx->untyped_data()), ds,
+          db, static_cast<A*>(sums_out->untyped_data()));
+    });
+  });
+}
+
+}  // namespace
+}  // namespace jaxnorm::cuda
+
+// Not command-buffer compatible: they allocate scratch for the partial results.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    cuda_channel_norm_fwd, jaxnorm::cuda::channel_norm_fwd_impl,
+    jaxnorm::bind_channel_norm_fwd(xla::ffi::Ffi::Bind()
+                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                       .Ctx<xla::ffi::DeviceOrdinal>()
+                                       .Ctx<xla::ffi::ScratchAllocator>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    cuda_channel_norm_bwd, jaxnorm::cuda::channel_norm_bwd_impl,
+    jaxnorm::bind_channel_norm_bwd(xla::ffi::Ffi::Bind()
+                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                       .Ctx<xla::ffi::DeviceOrdinal>()
+                                       .Ctx<xla::ffi::ScratchAllocator>()));
