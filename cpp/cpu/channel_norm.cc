@@ -2,7 +2,9 @@
 // statistics per (n, group) of x viewed as (N, A, C, B), in two exact passes
 // accumulated in double (the variance sums squares about the mean, so it does
 // not cancel when |mean| >> std). Elementwise arithmetic in float (double for
-// float64 x), as the row norms'.
+// float64 x), as the row norms'. Every loop runs over one row x[n, a] of C
+// channels of B elements with per-channel terms in arrays, so that the
+// compiler vectorizes it; groups are summed from the channels' totals.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -13,27 +15,52 @@
 namespace jaxnorm::cpu {
 namespace {
 
-// Calls f(i, c) for every element of sample n: i its flat index, c its channel.
+// acc[c] += sum over the B elements of channel c of row `row` of f(i, c),
+// i the element's flat index, for every row of sample n.
 template <typename F>
-void each_element(const ChannelNormShape& s, int64_t n, F&& f) {
-  int64_t i = n * s.a * s.c * s.b;
+void add_per_channel(const ChannelNormShape& s, int64_t n, std::vector<double>& acc, F&& f) {
   for (int64_t a = 0; a < s.a; ++a) {
-    for (int64_t c = 0; c < s.c; ++c) {
-      for (int64_t b = 0; b < s.b; ++b) f(i++, c);
+    const int64_t row = (n * s.a + a) * s.c * s.b;
+    if (s.b == 1) {
+      for (int64_t c = 0; c < s.c; ++c) acc[c] += f(row + c, c);
+    } else {
+      for (int64_t c = 0; c < s.c; ++c) {
+        double total = 0;
+        for (int64_t b = 0; b < s.b; ++b) total += f(row + c * s.b + b, c);
+        acc[c] += total;
+      }
     }
   }
 }
 
-// What the kernels need of the parameters and one sample's statistics.
+// f(i, c) for every element of sample n.
+template <typename F>
+void each_element(const ChannelNormShape& s, int64_t n, F&& f) {
+  for (int64_t a = 0; a < s.a; ++a) {
+    const int64_t row = (n * s.a + a) * s.c * s.b;
+    for (int64_t c = 0; c < s.c; ++c) {
+      for (int64_t b = 0; b < s.b; ++b) f(row + c * s.b + b, c);
+    }
+  }
+}
+
+// Each group's total of per-channel totals.
+std::vector<double> group_totals(const ChannelNormShape& s, const std::vector<double>& per_c) {
+  std::vector<double> out(s.groups, 0.0);
+  for (int64_t c = 0; c < s.c; ++c) out[c / s.group_size] += per_c[c];
+  return out;
+}
+
+// What the kernels need of the parameters and of one sample's statistics,
+// per channel.
 template <typename A>
 struct Affine {
-  std::vector<A> w, b;  // per channel: scale (1 without) and bias (0 without)
-  std::vector<A> mean, rstd;  // per group of the current sample
-  int64_t group_size;
+  std::vector<A> w, b;        // scale (1 without) and bias (0 without)
+  std::vector<A> mean, rstd;  // of the channel's group in the current sample
 
   template <typename W>
   Affine(const ChannelNormShape& s, const W* scale, const W* bias)
-      : w(s.c, A(1)), b(s.c, A(0)), mean(s.groups), rstd(s.groups), group_size(s.group_size) {
+      : w(s.c, A(1)), b(s.c, A(0)), mean(s.c), rstd(s.c) {
     for (int64_t c = 0; c < s.c; ++c) {
       if (s.has_scale) w[c] = load<A>(scale, c);
       if (s.has_bias) b[c] = load<A>(bias, c);
@@ -41,15 +68,11 @@ struct Affine {
   }
   // Sample n's statistics, from the (N, G) mean and variance.
   void set_stats(const ChannelNormShape& s, int64_t n, const A* m, const A* var, double eps) {
-    for (int64_t g = 0; g < s.groups; ++g) {
-      mean[g] = m[n * s.groups + g];
-      rstd[g] = A(1) / std::sqrt(var[n * s.groups + g] + A(eps));
+    for (int64_t c = 0; c < s.c; ++c) {
+      const int64_t g = n * s.groups + c / s.group_size;
+      mean[c] = m[g];
+      rstd[c] = A(1) / std::sqrt(var[g] + A(eps));
     }
-  }
-  template <typename X>
-  A xhat(const X* x, int64_t i, int64_t c) const {
-    const int64_t g = c / group_size;
-    return (load<A>(x, i) - mean[g]) * rstd[g];
   }
 };
 
@@ -58,20 +81,32 @@ A sigmoid(A z) {
   return A(1) / (A(1) + std::exp(-z));
 }
 
+// d silu(z) / dz.
+template <typename A>
+A silu_grad(A z) {
+  const A s = sigmoid(z);
+  return s * (A(1) + z * (A(1) - s));
+}
+
 // Each group's mean and biased variance over sample n, into the (N, G) outputs.
 template <typename X, typename A>
 void group_stats(const ChannelNormShape& s, int64_t n, const X* x, A* mean, A* var) {
-  std::vector<double> sum(s.groups, 0.0), sq(s.groups, 0.0);
-  each_element(s, n, [&](int64_t i, int64_t c) { sum[c / s.group_size] += load<double>(x, i); });
   const double count = double(s.count());
-  for (auto& v : sum) v = count > 0 ? v / count : 0.0;  // now the means
-  each_element(s, n, [&](int64_t i, int64_t c) {
-    const double d = load<double>(x, i) - sum[c / s.group_size];
-    sq[c / s.group_size] += d * d;
+  std::vector<double> acc(s.c, 0.0);
+  add_per_channel(s, n, acc, [&](int64_t i, int64_t) { return load<double>(x, i); });
+  std::vector<double> group_mean = group_totals(s, acc);
+  for (auto& v : group_mean) v = count > 0 ? v / count : 0.0;
+  std::vector<double> channel_mean(s.c);
+  for (int64_t c = 0; c < s.c; ++c) channel_mean[c] = group_mean[c / s.group_size];
+  std::fill(acc.begin(), acc.end(), 0.0);
+  add_per_channel(s, n, acc, [&](int64_t i, int64_t c) {
+    const double d = load<double>(x, i) - channel_mean[c];
+    return d * d;
   });
+  const std::vector<double> m2 = group_totals(s, acc);
   for (int64_t g = 0; g < s.groups; ++g) {
-    mean[n * s.groups + g] = A(sum[g]);
-    var[n * s.groups + g] = A(count > 0 ? sq[g] / count : 0.0);
+    mean[n * s.groups + g] = A(group_mean[g]);
+    var[n * s.groups + g] = A(count > 0 ? m2[g] / count : 0.0);
   }
 }
 
@@ -88,7 +123,7 @@ void fwd(const ChannelNormShape& s, double eps, bool silu, bool given, bool writ
     if (!write_y) continue;
     p.set_stats(s, n, mean, var, eps);
     each_element(s, n, [&](int64_t i, int64_t c) {
-      const A z = p.xhat(x, i, c) * p.w[c] + p.b[c];
+      const A z = (load<A>(x, i) - p.mean[c]) * p.rstd[c] * p.w[c] + p.b[c];
       store(y, i, silu ? z * sigmoid(z) : z);
     });
   }
@@ -99,56 +134,59 @@ void fwd(const ChannelNormShape& s, double eps, bool silu, bool given, bool writ
 // over all but the channels. dy' is dy through SiLU's derivative with `silu`.
 template <typename X, typename G, typename W>
 void bwd(const ChannelNormShape& s, double eps, bool silu, ChannelBwdMode mode,
-         bool param_grads, const X* x,
-         const W* scale, const W* bias, const void* mean_in, const void* var_in, const G* dy,
-         const void* means_in, X* dx, W* dscale, W* dbias, void* sums_out) {
+         bool param_grads, const X* x, const W* scale, const W* bias, const void* mean_in,
+         const void* var_in, const G* dy, const void* means_in, X* dx, W* dscale, W* dbias,
+         void* sums_out) {
   using A = acc_t<X>;
   Affine<A> p(s, scale, bias);
-  std::vector<double> dw(s.c, 0.0), db(s.c, 0.0);
-  std::vector<double> sums(2 * s.groups);
+  std::vector<double> dw(s.c, 0.0), db(s.c, 0.0), sum_d(s.c), sum_dx(s.c);
   // xhat and dy' of element i (channel c).
-  auto terms = [&](int64_t i, int64_t c, A* xh, A* d) {
-    *xh = p.xhat(x, i, c);
-    *d = load<A>(dy, i);
-    if (silu) {
-      const A z = *xh * p.w[c] + p.b[c], sg = sigmoid(z);
-      *d *= sg * (A(1) + z * (A(1) - sg));
-    }
+  auto xhat = [&](int64_t i, int64_t c) { return (load<A>(x, i) - p.mean[c]) * p.rstd[c]; };
+  auto grad = [&](int64_t i, int64_t c, A xh) {
+    const A d = load<A>(dy, i);
+    return silu ? d * silu_grad(xh * p.w[c] + p.b[c]) : d;
   };
   const double count = double(s.count());
+  const bool sums_pass = mode != ChannelBwdMode::kDx || param_grads;
+  std::vector<double> mean_g(s.groups), mean_gx(s.groups);
   for (int64_t n = 0; n < s.n; ++n) {
     p.set_stats(s, n, static_cast<const A*>(mean_in), static_cast<const A*>(var_in), eps);
+    if (sums_pass) {
+      std::fill(sum_d.begin(), sum_d.end(), 0.0);
+      std::fill(sum_dx.begin(), sum_dx.end(), 0.0);
+      add_per_channel(s, n, sum_d, [&](int64_t i, int64_t c) {
+        const A xh = xhat(i, c), d = grad(i, c, xh);
+        sum_dx[c] += double(d) * xh;  // the same channel as the return's
+        return double(d);
+      });
+      for (int64_t c = 0; c < s.c; ++c) dw[c] += sum_dx[c], db[c] += sum_d[c];
+    }
     if (mode == ChannelBwdMode::kDx) {
       const A* m = static_cast<const A*>(means_in) + 2 * n * s.groups;
-      sums.assign(m, m + 2 * s.groups);
+      for (int64_t g = 0; g < s.groups; ++g) mean_g[g] = m[2 * g], mean_gx[g] = m[2 * g + 1];
     } else {
-      std::fill(sums.begin(), sums.end(), 0.0);
-      each_element(s, n, [&](int64_t i, int64_t c) {
-        A xh, d;
-        terms(i, c, &xh, &d);
-        const double g = double(d) * p.w[c];
-        sums[2 * (c / s.group_size)] += g;
-        sums[2 * (c / s.group_size) + 1] += g * xh;
-        dw[c] += double(d) * xh;
-        db[c] += d;
-      });
+      // sums of g = dy' * scale and g * xhat: scale times the channel sums
+      std::vector<double> wd(s.c), wdx(s.c);
+      for (int64_t c = 0; c < s.c; ++c) wd[c] = p.w[c] * sum_d[c], wdx[c] = p.w[c] * sum_dx[c];
+      mean_g = group_totals(s, wd);
+      mean_gx = group_totals(s, wdx);
       if (mode == ChannelBwdMode::kSums) {
         A* out = static_cast<A*>(sums_out) + 2 * n * s.groups;
-        for (int64_t k = 0; k < 2 * s.groups; ++k) out[k] = A(sums[k]);
+        for (int64_t g = 0; g < s.groups; ++g) {
+          out[2 * g] = A(mean_g[g]);
+          out[2 * g + 1] = A(mean_gx[g]);
+        }
         continue;
       }
-      for (auto& v : sums) v = count > 0 ? v / count : 0.0;
-    }
-    const bool accumulate = mode == ChannelBwdMode::kDx && param_grads;
-    each_element(s, n, [&](int64_t i, int64_t c) {
-      A xh, d;
-      terms(i, c, &xh, &d);
-      const int64_t g = c / s.group_size;
-      store(dx, i, p.rstd[g] * (d * p.w[c] - A(sums[2 * g]) - xh * A(sums[2 * g + 1])));
-      if (accumulate) {
-        dw[c] += double(d) * xh;
-        db[c] += d;
+      for (int64_t g = 0; g < s.groups; ++g) {
+        mean_g[g] = count > 0 ? mean_g[g] / count : 0.0;
+        mean_gx[g] = count > 0 ? mean_gx[g] / count : 0.0;
       }
+    }
+    each_element(s, n, [&](int64_t i, int64_t c) {
+      const A xh = xhat(i, c), d = grad(i, c, xh);
+      const int64_t g = c / s.group_size;
+      store(dx, i, p.rstd[c] * (d * p.w[c] - A(mean_g[g]) - xh * A(mean_gx[g])));
     });
   }
   if (!param_grads) return;

@@ -72,6 +72,13 @@ ffi::Error with_channel_vec(int64_t c, std::initializer_list<const void*> ptrs, 
   return f(std::integral_constant<int, 1>{});
 }
 
+template <typename W>
+ChannelParams<W> params_of(const ChannelNormShape& s, const AnyBuffer& scale,
+                           const AnyBuffer& bias) {
+  return {s.has_scale ? static_cast<const W*>(scale.untyped_data()) : nullptr,
+          s.has_bias ? static_cast<const W*>(bias.untyped_data()) : nullptr};
+}
+
 ffi::Error zero_outputs(cudaStream_t stream, std::initializer_list<ffi::Result<AnyBuffer>*> outs) {
   for (auto* out : outs) {
     if ((*out)->size_bytes() == 0) continue;
@@ -134,8 +141,7 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
     using Y = native_t<decltype(yt)>;
     using W = native_t<decltype(wt)>;
     using A = acc_t<X>;
-    const ChannelParams<W> p{s.has_scale ? static_cast<const W*>(scale.untyped_data()) : nullptr,
-                             s.has_bias ? static_cast<const W*>(bias.untyped_data()) : nullptr};
+    const ChannelParams<W> p = params_of<W>(s, scale, bias);
     const void* y_p = write_y ? y->untyped_data() : nullptr;
     return with_channel_vec<X>(s.c, {x.untyped_data(), y_p}, [&](auto v) {
       return launch_fwd<X, Y, W, decltype(v)::value>(
@@ -201,8 +207,7 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
     using G = native_t<decltype(gt)>;
     using W = native_t<decltype(wt)>;
     using A = acc_t<X>;
-    const ChannelParams<W> p{s.has_scale ? static_cast<const W*>(scale.untyped_data()) : nullptr,
-                             s.has_bias ? static_cast<const W*>(bias.untyped_data()) : nullptr};
+    const ChannelParams<W> p = params_of<W>(s, scale, bias);
     W* ds = params_out && s.has_scale ? static_cast<W*>(dscale->untyped_data()) : nullptr;
     W* db = params_out && s.has_bias ? static_cast<W*>(dbias->untyped_data()) : nullptr;
     const void* dx_p = mode == ChannelBwdMode::kSums ? nullptr : dx->untyped_data();

@@ -82,9 +82,21 @@ struct TileThread {
     }
     return got;
   }
-  // The first row of each round of load_rows, and the round's stride.
-  __device__ int64_t first_row() const { return row_begin + set; }
-  __device__ int64_t round(const Tiles& t) const { return int64_t(kRowsInFlight) * t.row_sets; }
+  // f(row, v, u) for each of the thread's rows, v[k][u] the row's vector of
+  // the k-th array p[k], kRowsInFlight rows loaded before any is used.
+  template <int V, typename A, typename F, typename... T>
+  __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
+    constexpr int K = sizeof...(T);
+    for (int64_t r = row_begin + set; r < row_end; r += int64_t(kRowsInFlight) * t.row_sets) {
+      A v[K][kRowsInFlight][V];
+      const int got = load_rows<V>(t, r, v, p...);
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        if (u >= got) break;
+        f(r + u * t.row_sets, v, u);
+      }
+    }
+  }
   // Rows the set `s` of this thread's tile visits.
   __device__ int64_t rows_of_set(const Tiles& t, int s) const {
     const int64_t span = row_end - row_begin - s;
@@ -107,6 +119,13 @@ __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, 
 template <typename A>
 __device__ __forceinline__ A sigmoid(A z) {
   return A(1) / (A(1) + exp(-z));
+}
+
+// d silu(z) / dz.
+template <typename A>
+__device__ __forceinline__ A silu_grad(A z) {
+  const A s = sigmoid(z);
+  return s * (A(1) + z * (A(1) - s));
 }
 
 // The channel parameters, as read by the kernels (scale 1 and bias 0 where
@@ -132,21 +151,15 @@ __global__ void __launch_bounds__(kChannelThreads) tile_stats(const X* x, Tiles 
   A mean[V] = {}, m2[V] = {};
   if (me.active) {
     int count = 0;
-    for (int64_t r = me.first_row(); r < me.row_end; r += me.round(t)) {
-      A v[1][kRowsInFlight][V];
-      const int got = me.load_rows<V>(t, r, v, x);
+    me.for_rows<V, A>(t, [&](int64_t, const auto& v, int u) {
+      const A inv = A(1) / A(++count);
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        if (u >= got) break;
-        const A inv = A(1) / A(++count);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = v[0][u][e] - mean[e];
-          mean[e] += d * inv;
-          m2[e] += d * (v[0][u][e] - mean[e]);
-        }
+      for (int e = 0; e < V; ++e) {
+        const A d = v[0][u][e] - mean[e];
+        mean[e] += d * inv;
+        m2[e] += d * (v[0][u][e] - mean[e]);
       }
-    }
+    }, x);
   }
 #pragma unroll
   for (int e = 0; e < V; ++e) {
@@ -195,25 +208,15 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
       w[e] = p.template w<A>(c);
       b[e] = p.template b<A>(c);
     }
-    for (int64_t r = me.first_row(); r < me.row_end; r += me.round(t)) {
-      A v[2][kRowsInFlight][V];  // x, dy
-      const int got = me.load_rows<V>(t, r, v, x, dy);
+    me.for_rows<V, A>(t, [&](int64_t, const auto& v, int u) {  // v: x, dy
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        if (u >= got) break;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A xhat = (v[0][u][e] - mu[e]) * rstd[e];
-          A d = v[1][u][e];
-          if (silu) {
-            const A z = xhat * w[e] + b[e], s = sigmoid(z);
-            d *= s * (A(1) + z * (A(1) - s));
-          }
-          sum_d[e] += d;
-          sum_dx[e] += d * xhat;
-        }
+      for (int e = 0; e < V; ++e) {
+        const A xhat = (v[0][u][e] - mu[e]) * rstd[e];
+        const A d = silu ? v[1][u][e] * silu_grad(xhat * w[e] + b[e]) : v[1][u][e];
+        sum_d[e] += d;
+        sum_dx[e] += d * xhat;
       }
-    }
+    }, x, dy);
   }
 #pragma unroll
   for (int e = 0; e < V; ++e) {
@@ -339,20 +342,15 @@ __global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, cons
     const int64_t at = (me.n * t.c + me.lane * V + e) * 2;
     a[e] = coef[at], b[e] = coef[at + 1];
   }
-  for (int64_t r = me.first_row(); r < me.row_end; r += me.round(t)) {
-    A v[1][kRowsInFlight][V];
-    const int got = me.load_rows<V>(t, r, v, x);
+  me.for_rows<V, A>(t, [&](int64_t r, const auto& v, int u) {
+    A out[V];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      if (u >= got) break;
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const A z = v[0][u][e] * a[e] + b[e];
-        v[0][u][e] = silu ? z * sigmoid(z) : z;
-      }
-      store_vec<V>(y + me.at(t, r + u * t.row_sets), v[0][u]);
+    for (int e = 0; e < V; ++e) {
+      const A z = v[0][u][e] * a[e] + b[e];
+      out[e] = silu ? z * sigmoid(z) : z;
     }
-  }
+    store_vec<V>(y + me.at(t, r), out);
+  }, x);
 }
 
 // The backward's modes (channel_args.h): what group_sums computes.
@@ -448,25 +446,16 @@ __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G*
 #pragma unroll
     for (int j = 0; j < 5; ++j) k[e][j] = coef[(me.n * t.c + me.lane * V + e) * 5 + j];
   }
-  for (int64_t r = me.first_row(); r < me.row_end; r += me.round(t)) {
-    A v[2][kRowsInFlight][V];  // x, dy
-    const int got = me.load_rows<V>(t, r, v, x, dy);
+  me.for_rows<V, A>(t, [&](int64_t r, const auto& v, int u) {  // v: x, dy
+    A out[V];
 #pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      if (u >= got) break;
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const A xv = v[0][u][e];
-        A d = v[1][u][e];
-        if (silu) {
-          const A z = xv * k[e][0] + k[e][1], s = sigmoid(z);
-          d *= s * (A(1) + z * (A(1) - s));
-        }
-        v[0][u][e] = k[e][2] * d + k[e][3] * xv + k[e][4];
-      }
-      store_vec<V>(dx + me.at(t, r + u * t.row_sets), v[0][u]);
+    for (int e = 0; e < V; ++e) {
+      const A xv = v[0][u][e];
+      const A d = silu ? v[1][u][e] * silu_grad(xv * k[e][0] + k[e][1]) : v[1][u][e];
+      out[e] = k[e][2] * d + k[e][3] * xv + k[e][4];
     }
-  }
+    store_vec<V>(dx + me.at(t, r), out);
+  }, x, dy);
 }
 
 }  // namespace jaxnorm::cuda
