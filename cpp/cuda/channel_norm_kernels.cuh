@@ -4,10 +4,11 @@
 //
 // Every pass over x gives a thread a vector of V channels (16 bytes where C
 // and the pointers allow, else one) of one tile of rows, and a set of rows of
-// that tile R apart; a block covers up to 256 vectors of a row and
-// R = 256 / vectors rows at a time (`Tiles`). So loads and stores are whole
-// 16-byte vectors, consecutive threads touch consecutive bytes of a row, and
-// a thread's channels, hence its per-channel terms, stay the same.
+// that tile R apart; a block covers up to 32 vectors of a row (a slab) and
+// R = 256 / vectors rows at a time (`Tiles`, planned in channel_norm.cu). So
+// loads and stores are whole 16-byte vectors, consecutive threads touch
+// consecutive bytes of a row, and a thread's channels, hence its per-channel
+// terms, stay the same.
 //
 // Each direction is a pass that reduces per (n, tile, channel) into scratch,
 // a small pass that merges those per (n, group) (in a fixed order, so the
