@@ -11,18 +11,18 @@ BatchNorm one a channel.
 
     y = act((x - mean) * rsqrt(var + epsilon) * scale + bias),  act: none or SiLU
 
-The forward returns the statistics; the backward reads x and them (and scale
-and bias, to recompute SiLU's input). Given statistics (BatchNorm's running
-averages, in evaluation), the forward only normalizes, and the backward takes
-them as constants.
+The forward returns the statistics (mean, variance); the backward reads x
+and them (and scale and bias, to recompute SiLU's input). Given statistics
+(BatchNorm's running averages, in evaluation), the forward only normalizes,
+and the backward takes them as constants.
 
 Split over devices, the reduced dims (A and B) combine per-device statistics
-with one all-gather of (count, mean, M2) a group, merged with Chan's formula
-(`_stats.merge_moments`), and the backward's per-group sums with one
-all-reduce (with the parameter gradients); leading dims need only the
-parameter gradients summed; the channels are split in whole groups and need
-nothing. Each of the two launches (statistics, then normalization; sums,
-then dx) is a kernel.
+with one all-gather of each device's (mean, M2) per group, merged with Chan's
+formula (`_stats.merge_moments`), between a statistics-only launch and a
+normalizing one; the backward's per-group sums are added up with one
+all-reduce (with the parameter gradients) between a sums-only launch and a
+dx one. Leading dims need only the parameter gradients summed; channels split
+in whole groups need nothing.
 
 Dtype rule as the row norms': statistics in float32 (float64 for float64 x),
 output in x's dtype unless `dtype` is given, scale and bias read in x's dtype
@@ -461,8 +461,9 @@ def _activation(op: str, activation) -> bool:
 def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsilon,
                activation, dtype, axis_name, stats=None):
     """The public ops' shared checks, dtype rules and dispatch: returns
-    (y, mean, var), the statistics per (leading index, group); or, given
-    `stats` (mean, var), (y, None, None)."""
+    (y, mean, var), the statistics of shape (*leading dims, C) (each group's
+    repeated over its channels); or, given `stats` (mean, var) of that shape,
+    (y, None, None)."""
     axis = _channel_axis(op, x, channel_axis, lead_ndim=lead_ndim)
     channels = x.shape[x.ndim + axis]
     scale = _checks.parameter(op, "scale", scale)
