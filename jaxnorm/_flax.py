@@ -108,13 +108,15 @@ GROUP_NORM_UNSUPPORTED = """
 
 BATCH_NORM_UNSUPPORTED = """
     Where the fields do not map onto jaxnorm's kernels, the module falls back
-    to Flax's own computation: a ``mask``, ``axis_index_groups``, or several
-    feature axes. Batch statistics are float32 (float64 for float64 inputs)
-    with the exact two-pass variance, whatever ``use_fast_variance`` says, and
+    to Flax's own computation: ``axis_index_groups``, or several feature
+    axes. Batch statistics are float32 (float64 for float64 inputs) with the
+    exact two-pass variance, whatever ``use_fast_variance`` says, and
     ``batch_stats`` ``mean``/``var`` are updated as Flax updates them. With
     ``axis_name`` (inside ``shard_map``) the statistics are synchronized
     across the devices of that axis by one all-gather of each device's
-    (count, mean, M2); under ``jit`` with the batch sharded, automatically.
+    (mean, M2); under ``jit`` with the batch sharded, automatically. A
+    ``mask`` runs `jaxnorm.batch_norm`'s masked path (jax.numpy), whose
+    synchronization weighs each device by its count of True positions.
 """
 
 
@@ -171,11 +173,12 @@ def single_feature_axis(x, axis) -> int | None:
 
 
 def batch_normalize(x, scale, bias, running_mean, running_var, *, use_running_average,
-                    momentum, epsilon, dtype, axis_name, axis):
+                    momentum, epsilon, dtype, axis_name, axis, mask):
     """Flax's BatchNorm on the kernels, in Flax's output dtype: (y, new mean,
     new var), the running statistics unchanged with ``use_running_average``."""
     out = dtypes.canonicalize_dtype(*(a for a in (x, scale, bias) if a is not None), dtype=dtype)
     return batch_norm(x, scale, bias, running_mean, running_var,
                       training=not use_running_average, momentum=momentum, epsilon=epsilon,
-                      axis_name=axis_name, channel_axis=axis, dtype=out)
+                      axis_name=axis_name, channel_axis=axis, dtype=out,
+                      mask=None if mask is None else jax.numpy.asarray(mask, bool))
 

@@ -589,6 +589,7 @@ def batch_norm(
     unbiased_running_var: bool = False,
     activation: str | None = None,
     dtype: jax.typing.DTypeLike | None = None,
+    mask: jax.typing.ArrayLike | None = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Batch normalization: each channel normalized over every other axis.
 
@@ -621,6 +622,14 @@ def batch_norm(
         one.
       activation: None, or ``"silu"`` for ``silu(y)``, fused.
       dtype: output dtype (default: ``x.dtype``).
+      mask: in training, an optional boolean array broadcastable to ``x``:
+        the statistics cover the True positions only (padding, or devices
+        holding different numbers of examples; as Flax's ``mask``). Every
+        position is normalized. With ``axis_name`` each device's counts
+        travel with its means and M2s (one all-gather), so devices may hold
+        different numbers of valid examples, as with PyTorch's
+        SyncBatchNorm. Computed as XLA-fused jax.numpy, differentiated by
+        JAX.
 
     Returns:
       ``(y, new_running_mean, new_running_var)``: y of ``x``'s shape and
@@ -663,7 +672,10 @@ def batch_norm(
             f"{op}: training needs more than {int(unbiased_running_var)} value(s) per channel, "
             f"got x of shape {tuple(x.shape)}"
         )
-    y, mean, var = _normalize(op, x, scale, bias, **common)
+    if mask is None:
+        y, mean, var = _normalize(op, x, scale, bias, **common)
+    else:
+        y, mean, var, count = _masked_batch_norm(op, x, scale, bias, mask, **common)
     if rm is None:
         return y, None, None
     mean, var = lax.stop_gradient(mean), lax.stop_gradient(var)
@@ -672,6 +684,50 @@ def batch_norm(
     new_rm = (m * rm.astype(mean.dtype) + (1 - m) * mean).astype(rm.dtype)
     new_rv = (m * rv.astype(var.dtype) + (1 - m) * var).astype(rv.dtype)
     return y, new_rm, new_rv
+
+
+def _masked_batch_norm(op, x, scale, bias, mask, *, channel_axis, epsilon, activation, dtype,
+                       axis_name, **_):
+    """BatchNorm's training over the True positions of `mask`, in jax.numpy:
+    (y, mean, var, count), each channel's count an array (it differs from
+    device to device with the mask)."""
+    axis = _channel_axis(op, x, channel_axis)
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"{op}: mask must be boolean, got {mask.dtype}")
+    try:
+        mask = jnp.broadcast_to(mask, x.shape)
+    except ValueError as e:
+        raise ValueError(f"{op}: mask of shape {mask.shape} does not broadcast to x's "
+                         f"{tuple(x.shape)}") from e
+    channels = x.shape[axis]
+    for name, p in (("scale", scale), ("bias", bias)):
+        p = _checks.parameter(op, name, p)
+        if p is not None and tuple(p.shape) != (channels,):
+            raise ValueError(f"{op}: {name} must have shape ({channels},), got "
+                             f"{tuple(p.shape)}")
+    epsilon = _checks.epsilon(op, epsilon)
+    acc = stats_dtype(x.dtype)
+    xf = jnp.moveaxis(x, axis, -1).astype(acc).reshape(-1, channels)
+    keep = jnp.moveaxis(mask, axis, -1).reshape(-1, channels).astype(acc)
+    count = jnp.sum(keep, axis=0)
+    mean = jnp.sum(xf * keep, axis=0) / jnp.maximum(count, 1)
+    m2 = jnp.sum(jnp.square((xf - mean) * keep), axis=0)
+    names = _checks.axis_name(op, axis_name)
+    if names:
+        count, mean, m2 = merge_moments(count, mean, m2, names, invariant=True)
+    var = m2 / count
+    shape = [1] * x.ndim
+    shape[axis] = channels
+    y = (x.astype(acc) - mean.reshape(shape)) * lax.rsqrt(var.reshape(shape) + epsilon)
+    if scale is not None:
+        y = y * jnp.asarray(scale).astype(acc).reshape(shape)
+    if bias is not None:
+        y = y + jnp.asarray(bias).astype(acc).reshape(shape)
+    if _activation(op, activation):
+        y = y * jax.nn.sigmoid(y)
+    out = _checks.output_dtype(op, dtype, x.dtype)
+    return y.astype(out), mean, var, count
 
 
 def _axis_size(axis_name) -> int:

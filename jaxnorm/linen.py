@@ -110,7 +110,7 @@ class BatchNorm(nn.BatchNorm):
     def __call__(self, x, use_running_average=None, *, mask=None):
         """x: (..., C, ...) with the features on ``axis``; returns y of x's shape."""
         axis = single_feature_axis(x, self.axis)
-        if axis is None or mask is not None or self.axis_index_groups is not None:
+        if axis is None or self.axis_index_groups is not None:
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = nn.merge_param("use_running_average", self.use_running_average,
                                 use_running_average)
@@ -126,7 +126,7 @@ class BatchNorm(nn.BatchNorm):
         y, mean, var = batch_normalize(
             x, scale, bias, ra_mean.value, ra_var.value, use_running_average=use_ra,
             momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
-            axis_name=None if initializing else self.axis_name, axis=axis)
+            axis_name=None if initializing else self.axis_name, axis=axis, mask=mask)
         if not use_ra and not initializing:  # Flax leaves the statistics at init
             ra_mean.value, ra_var.value = mean, var
         return y

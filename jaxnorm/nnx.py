@@ -107,7 +107,7 @@ class BatchNorm(nnx.BatchNorm):
         """x: (..., num_features, ...) with the features on ``axis``; returns y
         of x's shape."""
         axis = single_feature_axis(x, self.axis)
-        if axis is None or mask is not None or self.axis_index_groups is not None:
+        if axis is None or self.axis_index_groups is not None:
             return super().__call__(x, use_running_average, mask=mask)
         use_ra = first_from(use_running_average, self.use_running_average,
                             error_msg="No `use_running_average` argument was provided to "
@@ -119,7 +119,7 @@ class BatchNorm(nnx.BatchNorm):
         y, mean, var = batch_normalize(
             x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra,
             momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
-            axis_name=self.axis_name, axis=axis)
+            axis_name=self.axis_name, axis=axis, mask=mask)
         if not use_ra:
             self.mean[...] = jax.lax.stop_gradient(mean)
             self.var[...] = jax.lax.stop_gradient(var)

@@ -323,6 +323,40 @@ def test_batch_norm_large_mean_is_stable():
     assert_close(y, batch_norm_np(x, None, None, mean, var, 1e-5), jnp.float32, scale=20)
 
 
+@pytest.mark.parametrize("axis", [-1, 1])
+def test_batch_norm_with_a_mask(axis):
+    """Statistics over the True positions only (Flax's mask): padded rows, and
+    a mask that differs from channel to channel."""
+    shape = (12, 5, 7) if axis == -1 else (12, 7, 5)
+    x = rand(43, shape, jnp.float64, offset=3.0)
+    scale, bias = params(44, 7, jnp.float64)
+    rows = np.arange(12) % 4 != 3
+    for mask in (rows.reshape(12, 1, 1),
+                 np.asarray(rand(45, shape, jnp.float64)) > -0.5):
+        y, rm, rv = jax.jit(functools.partial(
+            jaxnorm.batch_norm, training=True, channel_axis=axis, momentum=0.5,
+            unbiased_running_var=True))(x, scale, bias, jnp.zeros(7), jnp.ones(7),
+                                        mask=jnp.asarray(mask))
+        xl = np.moveaxis(np.asarray(x), axis, -1).reshape(-1, 7)
+        keep = np.moveaxis(np.broadcast_to(mask, shape), axis, -1).reshape(-1, 7)
+        mean = np.array([xl[keep[:, c], c].mean() for c in range(7)])
+        var = np.array([xl[keep[:, c], c].var() for c in range(7)])
+        n = keep.sum(axis=0)
+        np.testing.assert_allclose(y, batch_norm_np(x, scale, bias, mean, var, 1e-5, axis),
+                                   rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(rm, 0.5 * mean, rtol=1e-10)
+        np.testing.assert_allclose(rv, 0.5 + 0.5 * var * n / (n - 1), rtol=1e-10)
+    check_grads(lambda x, s, b: jaxnorm.batch_norm(
+        x, s, b, None, None, training=True, channel_axis=axis, mask=jnp.asarray(mask))[0],
+        (x, scale, bias), order=1, modes=["rev"])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        jaxnorm.batch_norm(x, None, None, None, None, training=True, channel_axis=axis,
+                           mask=jnp.ones((4,), bool))
+    with pytest.raises(TypeError, match="mask must be boolean"):
+        jaxnorm.batch_norm(x, None, None, None, None, training=True, channel_axis=axis,
+                           mask=jnp.ones(shape))
+
+
 def _bn_f64(x, scale, bias, axis, silu, stats=None):
     xl = jnp.moveaxis(x, axis, -1)
     red = tuple(range(xl.ndim - 1))

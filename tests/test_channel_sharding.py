@@ -17,7 +17,6 @@ from reference import rand
 from sharding_util import collective_sizes, make_mesh, needs_devices
 
 import jaxnorm
-from jaxnorm._stats import merge_moments
 
 pytestmark = needs_devices(8)
 
@@ -212,27 +211,30 @@ def test_batch_norm_evaluation_needs_no_collective():
     assert collective_sizes(sharded.lower(x).compile().as_text()) == []
 
 
-def test_merging_uneven_device_counts():
-    """Chan's merge weighs each device's statistics by its own count: devices
-    holding 1-8 valid rows of a padded batch give the statistics of all the
-    valid rows together."""
+def test_synchronized_batch_norm_with_uneven_device_batches():
+    """Devices holding 1-5 valid examples of their 4-8 (a mask): the statistics,
+    running statistics and gradients of all the valid examples together, as
+    PyTorch's SyncBatchNorm gives; each device's counts travel with its means
+    and M2s in the one all-gather."""
     mesh = make_mesh((8,))
-    counts = np.arange(1, 9)
-    data = np.asarray(rand(6, (8, 8, 3), jnp.float32, offset=50.0))
-    valid = np.arange(8)[None, :] < counts[:, None]  # (device, row)
+    x = rand(6, (32, 3, C), jnp.float32, offset=20.0)
+    scale, bias = rand(7, (C,), jnp.float32, 1.0), rand(8, (C,), jnp.float32)
+    valid = np.arange(4)[None] < (np.arange(1, 9) % 5 + 1)[:, None]  # (device, row)
+    mask = jnp.asarray(valid.reshape(32, 1, 1))
+    rm, rv = jnp.zeros(C), jnp.ones(C)
 
-    def local(block, n):
-        block, n = block[0], n[0]
-        keep = (jnp.arange(8) < n)[:, None]
-        mean = jnp.sum(jnp.where(keep, block, 0), axis=0) / n
-        m2 = jnp.sum(jnp.where(keep, jnp.square(block - mean), 0), axis=0)
-        total, mean, m2 = merge_moments(jnp.broadcast_to(n, mean.shape).astype(jnp.float32),
-                                        mean, m2, ("a",), invariant=True)
-        return total, mean, m2
+    def bn(x, scale, bias, mask, **kw):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=True, mask=mask,
+                                  unbiased_running_var=True, **kw)
 
-    f = jax.shard_map(local, mesh=mesh, in_specs=(P("a"), P("a")), out_specs=(P(), P(), P()))
-    total, mean, m2 = jax.jit(f)(jnp.asarray(data), jnp.asarray(counts, jnp.float32))
-    rows = data[valid].astype(np.float64)
-    np.testing.assert_allclose(total, len(rows))
-    np.testing.assert_allclose(mean, rows.mean(axis=0), rtol=1e-6)
-    np.testing.assert_allclose(m2 / total, rows.var(axis=0), rtol=1e-4)
+    f = jax.shard_map(lambda *a: bn(*a, axis_name="a"), mesh=mesh,
+                      in_specs=(P("a"), P(), P(), P("a")), out_specs=(P("a"), P(), P()))
+    _close(jax.jit(f)(x, scale, bias, mask), bn(x, scale, bias, mask))
+    assert collective_sizes(jax.jit(f).lower(x, scale, bias, mask).compile().as_text()) == [
+        ("all-gather", 8 * C * 3)]
+
+    def grad(op):
+        return jax.jit(jax.grad(lambda x, s, b: jnp.sum(jnp.sin(op(x, s, b, mask)[0])),
+                                argnums=(0, 1, 2)))
+
+    _close(grad(f)(x, scale, bias), grad(bn)(x, scale, bias))

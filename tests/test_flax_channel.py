@@ -124,7 +124,7 @@ def test_linen_batch_norm_matches_flax(fields, shape, x_dtype):
     _close(evaluated[0], evaluated[1], y.dtype)
 
 
-def test_linen_batch_norm_falls_back_for_several_feature_axes_and_masks():
+def test_linen_batch_norm_with_several_feature_axes_or_a_mask():
     x = rand(3, (4, 5, 6), jnp.float32)
     for fields, kwargs in ((dict(axis=(1, 2)), {}), (dict(), dict(mask=jnp.ones((4, 5, 6)) > 0))):
         ours = jaxnorm.linen.BatchNorm(use_running_average=False, **fields)
