@@ -255,24 +255,20 @@ def standing(records, copy):
     the bars, and every case where a peer is faster."""
     cases = _by_case(records)
     lines = ["Against the bars (percent of copy on the large shapes):", ""]
-    for (pass_, op), bar in BARS.items():
-        got = [(shape, 100 * cases[op, pass_, shape]["jaxnorm"]["gbps"] / copy)
-               for shape in large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
-        if not got:
-            continue
-        below = [_shape(shape) for shape, pct in got if pct < bar]
-        lines.append(f"- {op} {pass_} (bar {bar}%): "
-                     + ", ".join(f"{pct:.0f}" for _, pct in got)
-                     + (f"; below: {', '.join(below)}" if below else "; all above"))
-    for (pass_, op), bar in XLA_BARS.items():
-        got = [(shape, cases[op, pass_, shape]["jaxnorm"]["vs_xla"])
-               for shape in large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
-        if not got:
-            continue
-        below = [_shape(shape) for shape, ratio in got if ratio < bar]
-        lines.append(f"- {op} {pass_} (bar {bar:.1f}x XLA): "
-                     + ", ".join(f"{ratio:.2f}x" for _, ratio in got)
-                     + (f"; below: {', '.join(below)}" if below else "; all above"))
+    measures = (  # bars, jaxnorm's figure of a record, its unit
+        (BARS, lambda r: 100 * r["gbps"] / copy, "{:.0f}", "{}%"),
+        (XLA_BARS, lambda r: r["vs_xla"], "{:.2f}x", "{:.1f}x XLA"),
+    )
+    for bars, figure, fmt, bar_fmt in measures:
+        for (pass_, op), bar in bars.items():
+            got = [(shape, figure(cases[op, pass_, shape]["jaxnorm"])) for shape in
+                   large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
+            if not got:
+                continue
+            below = [_shape(shape) for shape, value in got if value < bar]
+            lines.append(f"- {op} {pass_} (bar {bar_fmt.format(bar)}): "
+                         + ", ".join(fmt.format(value) for _, value in got)
+                         + (f"; below: {', '.join(below)}" if below else "; all above"))
     slower = []
     for (op, pass_, shape), by_impl in cases.items():
         ours = by_impl.get("jaxnorm")
