@@ -458,6 +458,21 @@ def _activation(op: str, activation) -> bool:
     raise ValueError(f"{op}: activation must be None or 'silu', got {activation!r}")
 
 
+def _per_channel_args(op, channels, channel_axis, **arrays):
+    """The optional float arrays given, each checked to have shape (C,): one
+    entry per channel of x along `channel_axis`."""
+    out = []
+    for name, a in arrays.items():
+        a = _checks.parameter(op, name, a)
+        if a is not None and tuple(a.shape) != (channels,):
+            raise ValueError(
+                f"{op}: {name} must have shape ({channels},) (the channels of x along axis "
+                f"{channel_axis}), got {tuple(a.shape)}"
+            )
+        out.append(a)
+    return out
+
+
 def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsilon,
                activation, dtype, axis_name, stats=None):
     """The public ops' shared checks, dtype rules and dispatch: returns
@@ -466,14 +481,7 @@ def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsil
     (y, None, None)."""
     axis = _channel_axis(op, x, channel_axis, lead_ndim=lead_ndim)
     channels = x.shape[x.ndim + axis]
-    scale = _checks.parameter(op, "scale", scale)
-    bias = _checks.parameter(op, "bias", bias)
-    for name, p in (("scale", scale), ("bias", bias)):
-        if p is not None and tuple(p.shape) != (channels,):
-            raise ValueError(
-                f"{op}: {name} must have shape ({channels},) (the channels of x along axis "
-                f"{channel_axis}), got {tuple(p.shape)}"
-            )
+    scale, bias = _per_channel_args(op, channels, channel_axis, scale=scale, bias=bias)
     eps = _checks.epsilon(op, epsilon)
     out_dtype = _checks.output_dtype(op, dtype, x.dtype)
     params_dt = param_dtype(x.dtype, scale, bias)
@@ -648,13 +656,8 @@ def batch_norm(
         raise ValueError(f"{op}: momentum must be in [0, 1], got {momentum!r}")
     axis = _channel_axis(op, x, channel_axis)
     channels = x.shape[axis]
-    running = []
-    for name, r in (("running_mean", running_mean), ("running_var", running_var)):
-        r = _checks.parameter(op, name, r)
-        if r is not None and tuple(r.shape) != (channels,):
-            raise ValueError(f"{op}: {name} must have shape ({channels},), got {tuple(r.shape)}")
-        running.append(r)
-    rm, rv = running
+    rm, rv = _per_channel_args(op, channels, channel_axis, running_mean=running_mean,
+                               running_var=running_var)
     if (rm is None) != (rv is None):
         raise ValueError(f"{op}: give running_mean and running_var together, or neither")
     common = dict(lead_ndim=0, channel_axis=channel_axis, group_size=1, epsilon=epsilon,
@@ -701,11 +704,7 @@ def _masked_batch_norm(op, x, scale, bias, mask, *, channel_axis, epsilon, activ
         raise ValueError(f"{op}: mask of shape {mask.shape} does not broadcast to x's "
                          f"{tuple(x.shape)}") from e
     channels = x.shape[axis]
-    for name, p in (("scale", scale), ("bias", bias)):
-        p = _checks.parameter(op, name, p)
-        if p is not None and tuple(p.shape) != (channels,):
-            raise ValueError(f"{op}: {name} must have shape ({channels},), got "
-                             f"{tuple(p.shape)}")
+    scale, bias = _per_channel_args(op, channels, channel_axis, scale=scale, bias=bias)
     epsilon = _checks.epsilon(op, epsilon)
     acc = stats_dtype(x.dtype)
     xf = jnp.moveaxis(x, axis, -1).astype(acc).reshape(-1, channels)
@@ -721,9 +720,9 @@ def _masked_batch_norm(op, x, scale, bias, mask, *, channel_axis, epsilon, activ
     shape[axis] = channels
     y = (x.astype(acc) - mean.reshape(shape)) * lax.rsqrt(var.reshape(shape) + epsilon)
     if scale is not None:
-        y = y * jnp.asarray(scale).astype(acc).reshape(shape)
+        y = y * scale.astype(acc).reshape(shape)
     if bias is not None:
-        y = y + jnp.asarray(bias).astype(acc).reshape(shape)
+        y = y + bias.astype(acc).reshape(shape)
     if _activation(op, activation):
         y = y * jax.nn.sigmoid(y)
     out = _checks.output_dtype(op, dtype, x.dtype)
