@@ -9,9 +9,10 @@
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K); SKIP_BUILD=1 keeps an earlier build;
-# BWD_ROLES=1 builds the trial warp-role backward into the handlers and
-# CHANNEL_CUDA=1 the trial channel-norm kernels (CMakeLists.txt); BENCH_ARGS
-# go to bench_row_norm.py; TESTS picks test files (default: all); the step
+# BWD_ROLES=1 builds the trial warp-role backward into the handlers
+# (CMakeLists.txt); BENCH_ARGS
+# go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
+# runs them in that many processes (each takes a share of the GPU's memory); the step
 # "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -38,7 +39,6 @@ elif ! python3 -m pip install --no-build-isolation --no-deps -v \
     -C cmake.define.JAXNORM_CUDA=ON \
     -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
     -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
-    -C cmake.define.JAXNORM_CHANNEL_CUDA="$([ "${CHANNEL_CUDA:-0}" = 1 ] && echo ON || echo OFF)" \
     . > "$OUT/build.log" 2>&1; then
   tail -40 "$OUT/build.log"; exit 1
 fi
@@ -49,7 +49,10 @@ rm -f "$OUT/build.log"  # kept only when the build fails
 tests_rc=0
 if step tests; then
   echo "== tests on the GPU"
-  (cd /tmp && python3 -m pytest -q -p no:cacheprovider ${TESTS:-$repo/tests} 2>&1) | tee "$OUT/tests.log" | tail -15
+  # Compiling dominates the suite: processes side by side share the GPU.
+  (cd /tmp && env ${TESTS_N:+XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $TESTS_N, 3))")} \
+      python3 -m pytest -q -p no:cacheprovider ${TESTS_N:+-n $TESTS_N} ${TESTS:-$repo/tests} 2>&1) \
+    | tee "$OUT/tests.log" | tail -15
   tests_rc=${PIPESTATUS[0]}
 fi
 
@@ -108,6 +111,8 @@ fi
 
 if step bench; then
   echo "== benchmarks"
+  # --update keeps the committed records of the cases not measured now.
+  [[ " ${BENCH_ARGS:-} " == *" --update "* ]] && cp benchmarks/results/row_norm_*.json "$OUT/"
   (cd benchmarks && python3 bench_row_norm.py --out "$OUT" ${BENCH_ARGS:-}) 2>&1 \
     | tee "$OUT/bench.log" | tail -40
 fi

@@ -137,7 +137,8 @@ def _function(op, impl):
 def _channel_inputs(op, impl, shape, dtype, grad):
     """NHWC `shape`: x as the implementation takes it (torch.compile NHWC,
     torch's GroupNorm NCHW, its BatchNorm channels-last), float32 parameters
-    (with grad where asked) and running statistics; and dy."""
+    (x's dtype for torch's GroupNorm, which takes no other) with grad where
+    asked, and running statistics; and dy."""
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -150,7 +151,9 @@ def _channel_inputs(op, impl, shape, dtype, grad):
         layout = torch.channels_last if op.startswith("batch") else torch.contiguous_format
         x, dy = x.contiguous(memory_format=layout), dy.contiguous(memory_format=layout)
     c = shape[-1]
-    params = [randn(c) + 1, randn(c)]
+    # torch's GroupNorm takes parameters of x's dtype only.
+    pdt = dtype if impl == "torch" and op == "group_norm" else torch.float32
+    params = [randn(c, dt=pdt) + 1, randn(c, dt=pdt)]
     args = [a.requires_grad_(grad) for a in (x, *params)]
     if op.startswith("batch"):
         args += [randn(c), randn(c).abs() + 0.5]  # running statistics
@@ -239,6 +242,8 @@ def main():
     out = []
     for op, pass_, shape in request["cases"]:
         for impl in request["impls"]:
+            if impl == "liger" and op in CHANNEL_OPS:
+                continue  # Liger's norms here are the row norms
             try:
                 kernels = timed(op, impl, pass_, tuple(shape), request["dtype"])
             except Exception as e:  # a peer that cannot run a case

@@ -223,17 +223,22 @@ def _per_group_stats(stat, n, group_size):
 
 
 def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, group_size,
-               **params):
+               xla_elementwise=False, **params):
     """The forward on one device's block: the kernel computes the statistics
     and normalizes; with the reduced dims split, it computes this block's
-    statistics, one all-gather merges them, and a second launch normalizes."""
+    statistics, one all-gather merges them, and a second launch normalizes.
+    With `xla_elementwise` the kernel computes the statistics alone and y is
+    jax.numpy, which XLA fuses with what surrounds it (BatchNorm's ReLU and
+    residual add)."""
     x4 = view(x, lead_ndim, axis)
     n, a, _, b = x4.shape
     run = functools.partial(kernel, group_size=group_size, **params)
+    normalize = functools.partial(_fwd_kernel_reference, group_size=group_size,
+                                  **params) if xla_elementwise else run
     stats = stats_dtype(x.dtype)
     if not _is_placeholder(mean):  # given
-        y, _, _ = run(x4, scale, bias, _per_group_stats(mean, n, group_size),
-                      _per_group_stats(var, n, group_size), write_output=True)
+        y, _, _ = normalize(x4, scale, bias, _per_group_stats(mean, n, group_size),
+                            _per_group_stats(var, n, group_size), write_output=True)
         return y.reshape(x.shape), empty(stats), empty(stats)
     none = empty(stats)
     if axes.hidden:
@@ -241,7 +246,10 @@ def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, grou
         count = a * group_size * b
         total, m, m2 = merge_moments(count, m, v * count, axes.hidden, invariant=axes.manual)
         v = m2 / total
-        y, _, _ = run(x4, scale, bias, m, v, write_output=True)
+        y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
+    elif xla_elementwise:
+        _, m, v = run(x4, scale, bias, none, none, write_output=False)
+        y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
     else:
         y, m, v = run(x4, scale, bias, none, none, write_output=True)
     return (y.reshape(x.shape), _per_channel_stats(m, x, lead_ndim, group_size),
@@ -249,11 +257,12 @@ def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, grou
 
 
 def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, group_size,
-               epsilon, silu, frozen, param_dtype):
+               epsilon, silu, frozen, param_dtype, xla_elementwise=False):
     """The backward on one device's block. With the reduced dims split, a
     first launch returns this block's per-group sums, one all-reduce adds them
     up (with the parameter gradients) and a second launch writes dx. Frozen
-    (given) statistics have no gradient: the group means are zero."""
+    (given) statistics have no gradient: the group means are zero. With
+    `xla_elementwise` the kernel computes the sums alone and dx is jax.numpy."""
     x4, dy4 = view(x, lead_ndim, axis), view(dy, lead_ndim, axis)
     n, a, c, b = x4.shape
     groups = c // group_size
@@ -262,23 +271,28 @@ def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, 
     param_axes = axes.param_axes()
     wide = jnp.promote_types(param_dtype, jnp.float32) if param_axes else param_dtype
     s, bi = scale.astype(wide), bias.astype(wide)
-    run = functools.partial(kernel, x4, s, bi, m2, v2, dy4, group_size=group_size,
-                            epsilon=epsilon, silu=silu, param_dtype=wide)
+    args = (x4, s, bi, m2, v2, dy4)
+    params = dict(group_size=group_size, epsilon=epsilon, silu=silu, param_dtype=wide)
+    run = functools.partial(kernel, *args, **params)
+    dx_of = functools.partial(_bwd_kernel_reference, *args, **params) if xla_elementwise else run
     stats = stats_dtype(x.dtype)
-    if frozen:
+    if frozen and xla_elementwise:
+        _, dscale, dbias, _ = run(empty(stats), mode="sums", param_grads=True)
+        dx = dx_of(jnp.zeros((n, groups, 2), stats), mode="dx", param_grads=False)[0]
+    elif frozen:
         zero = jnp.zeros((n, groups, 2), stats)
         dx, dscale, dbias, _ = run(zero, mode="dx", param_grads=True)
-    elif not axes.hidden:
+    elif not axes.hidden and not xla_elementwise:
         dx, dscale, dbias, _ = run(empty(stats), mode="full", param_grads=True)
     else:
         _, dscale, dbias, sums = run(empty(stats), mode="sums", param_grads=True)
-        if param_axes == axes.hidden:  # one all-reduce for all three
+        if param_axes and param_axes == axes.hidden:  # one all-reduce for all three
             sums, dscale, dbias = psum_concat(axes.hidden, sums, dscale, dbias)
             param_axes = ()
-        else:
+        elif axes.hidden:
             sums = lax.psum(sums, axes.hidden)
         means = sums / (a * group_size * b * axes.hidden_shards)
-        dx, _, _, _ = run(means, mode="dx", param_grads=False)
+        dx = dx_of(means, mode="dx", param_grads=False)[0]
     if param_axes:
         dscale, dbias = psum_concat(param_axes, dscale, dbias)
     return dx.reshape(x.shape), dscale.astype(param_dtype), dbias.astype(param_dtype)
@@ -404,10 +418,11 @@ class _Config(NamedTuple):
     param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
     given: bool            # statistics given (BatchNorm's evaluation), not computed
     axis_name: tuple       # shard_map axes that split the reduced dims
+    xla_elementwise: bool  # kernels for the reductions only (_fwd_local)
 
     def kernel_params(self):
         return dict(lead_ndim=self.lead_ndim, axis=self.axis, group_size=self.group_size,
-                    epsilon=self.epsilon, silu=self.silu)
+                    epsilon=self.epsilon, silu=self.silu, xla_elementwise=self.xla_elementwise)
 
 
 def _forward(x, scale, bias, mean, var, cfg: _Config):
@@ -485,9 +500,12 @@ def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsil
     eps = _checks.epsilon(op, epsilon)
     out_dtype = _checks.output_dtype(op, dtype, x.dtype)
     params_dt = param_dtype(x.dtype, scale, bias)
+    # BatchNorm's normalize and dx are elementwise over x, which XLA fuses with
+    # the network's next ops (ReLU, a residual add): a ResNet block's training
+    # step ran 15% slower with them in the kernels (benchmarks/NOTES.md, v46).
     cfg = _Config(lead_ndim, axis, group_size, eps, _activation(op, activation),
                   kernel_out_dtype(x.dtype, out_dtype), params_dt, stats is not None,
-                  _checks.axis_name(op, axis_name))
+                  _checks.axis_name(op, axis_name), xla_elementwise=op == "batch_norm")
     s = or_empty(None if scale is None else scale.astype(params_dt), params_dt)
     b = or_empty(None if bias is None else bias.astype(params_dt), params_dt)
     acc = stats_dtype(x.dtype)

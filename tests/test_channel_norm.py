@@ -388,6 +388,45 @@ def test_batch_norm_gradients_float64(training, silu):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("op,shape,groups", [
+    ("group", (4, 32, 32, 320), 32),   # 10 channels a group, two slabs a row
+    ("group", (2, 16, 16, 1280), 32),  # 40 channels a group, five slabs
+    ("group", (1, 128, 128, 64), 32),  # one sample: its rows in many tiles
+    ("batch", (32, 28, 28, 64), 64),   # 25088 rows of one statistic each channel
+], ids=str)
+def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
+    """Shapes that the CUDA kernels split into many tiles and slabs, merged
+    in several steps: y and the gradients against float64, and the same bits
+    from one run to the next (no atomics)."""
+    x = rand(60, shape, jnp.float32, offset=3.0)
+    scale, bias = params(61, shape[-1], jnp.float32)
+    dy = rand(62, shape, jnp.float32)
+    if op == "group":
+        def f(x, s, b):
+            return jaxnorm.group_norm(x, groups, s, b)
+
+        def f64(x, s, b):
+            return _gn_f64(x, s, b, groups, -1, False)
+    else:
+        rm, rv = jnp.zeros(shape[-1]), jnp.ones(shape[-1])
+
+        def f(x, s, b):
+            return jaxnorm.batch_norm(x, s, b, rm, rv, training=True)[0]
+
+        def f64(x, s, b):
+            return _bn_f64(x, s, b, -1, False)
+
+    run = jax.jit(lambda x, s, b, dy: (f(x, s, b), *jax.vjp(f, x, s, b)[1](dy)))
+    got = run(x, scale, bias, dy)
+    for g, again in zip(got, run(x, scale, bias, dy)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(again))
+    a64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
+    want = (f64(*a64[:3]), *jax.vjp(f64, *a64[:3])[1](a64[3]))
+    rows = x.size // shape[-1]
+    for g, w, scale_ in zip(got, want, (1, 1, np.sqrt(rows), np.sqrt(rows))):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * scale_)
+
+
 def test_batch_norm_running_statistics_are_state():
     """No gradient reaches x through the updated running statistics, and in
     evaluation y is not differentiated with respect to them."""
@@ -534,3 +573,23 @@ def _close_all(got, want):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_batch_norm_leaves_the_elementwise_work_to_xla():
+    """BatchNorm's kernels compute the statistics and the backward's sums
+    alone (their y and dx results are empty), so XLA fuses the normalize and
+    dx with the ops around them; GroupNorm's kernels write y and dx."""
+    x = rand(70, (4, 3, 3, 8), jnp.float32)
+    scale, bias = params(71, 8, jnp.float32)
+
+    def results(norm):
+        loss = jax.jit(jax.grad(lambda x: jnp.sum(jnp.square(norm(x)))))
+        lines = loss.lower(x).as_text().splitlines()
+        calls = [ln for ln in lines if "custom_call @jaxnorm_channel_norm" in ln]
+        return [ln.split("->")[-1] for ln in calls]
+
+    bn = results(lambda x: jaxnorm.batch_norm(x, scale, bias, jnp.zeros(8), jnp.ones(8),
+                                              training=True)[0])
+    gn = results(lambda x: jaxnorm.group_norm(x, 2, scale, bias))
+    assert len(bn) == 2 and all("tensor<0xf32>" in r.split(",")[0] for r in bn), bn
+    assert len(gn) == 2 and all("tensor<4x9x8x1xf32>" in r.split(",")[0] for r in gn), gn

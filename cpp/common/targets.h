@@ -5,18 +5,11 @@
 // without a handler on a platform lowers to jax.numpy there.
 #pragma once
 
-#ifdef JAXNORM_WITH_CUDA_CHANNEL_NORM  // a trial build (CMakeLists.txt)
-#define JAXNORM_CUDA_CHANNEL_TARGETS(X) \
-  X(channel_norm_fwd)                   \
-  X(channel_norm_bwd)
-#else
-#define JAXNORM_CUDA_CHANNEL_TARGETS(X)
-#endif
-
 #define JAXNORM_CUDA_FFI_TARGETS(X) \
   X(row_norm_fwd)                   \
   X(row_norm_bwd)                   \
-  JAXNORM_CUDA_CHANNEL_TARGETS(X)
+  X(channel_norm_fwd)               \
+  X(channel_norm_bwd)
 
 #define JAXNORM_FFI_TARGETS(X) \
   X(row_norm_fwd)              \

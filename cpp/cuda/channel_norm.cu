@@ -9,38 +9,52 @@
 namespace jaxnorm::cuda {
 namespace {
 
-// The tiling of x (N, A, C) with V channels a thread, and the per-tile
-// results' element size. A block covers at most 32 vectors of a row, split
-// evenly, so that it takes at least 8 rows at a time: the fewer tiles then
-// give the blocks wanted (about four an SM), and the fewer per-tile results
-// pass through scratch, which is held to a sixteenth of x's bytes.
+// The tiling of x (N, A, C) with V channels a thread for a pass of `kernel`.
+// A block covers at most 32 vectors of a row, split evenly, so that it takes
+// at least 8 rows at a time. The tiles make one wave of blocks, as many as
+// fit on the GPU at once (or one a (n, slab) where there are more), held for
+// the reducing passes to a sixteenth of x's bytes of per-tile results
+// (`result_bytes` a channel and tile; 0 for the elementwise passes).
+template <typename K>
 Tiles plan_tiles(const ChannelNormShape& s, int vec, size_t x_bytes, size_t result_bytes,
-                 const DeviceInfo& dev) {
+                 const DeviceInfo& dev, K kernel) {
   Tiles t;
   t.n = s.n, t.rows = s.a, t.c = s.c, t.vec = vec;
   t.lanes = s.c / vec;
   t.slabs = (t.lanes + 31) / 32;
   t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
   t.row_sets = kChannelThreads / t.lanes_per_block;
-  const int64_t wanted = 4 * int64_t(dev.sms);
-  int64_t tiles = (wanted + t.n * t.slabs - 1) / (t.n * t.slabs);
+  const int per_sm = per_launch_shape(dev, kernel, kChannelThreads, 0, 1, [&] {
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kChannelThreads, 0);
+    cudaGetLastError();
+    return blocks > 0 ? blocks : 1;
+  });
+  const int64_t wave = int64_t(per_sm) * dev.sms;
+  int64_t tiles = wave / (t.n * t.slabs);
   const int64_t most = (t.rows + t.row_sets - 1) / t.row_sets;  // tiles of a block's rows
-  const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
   tiles = tiles > most ? most : tiles;
-  tiles = tiles > by_bytes ? by_bytes : tiles;
+  if (result_bytes > 0) {
+    const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
+    tiles = tiles > by_bytes ? by_bytes : tiles;
+  }
   tiles = tiles < 1 ? 1 : tiles;
   t.tile_rows = (t.rows + tiles - 1) / tiles;
   t.tiles = (t.rows + t.tile_rows - 1) / t.tile_rows;
   return t;
 }
 
-// Groups a group_stats / group_sums block covers: about 128 channels' worth.
-int64_t groups_per_block(const ChannelNormShape& s) {
-  return s.group_size >= 128 ? 1 : 128 / s.group_size;
+// Groups a group_stats / group_sums block covers: whole groups, about as many
+// channels as give each of twice the SMs' blocks a share, at most
+// kGroupsPerBlock (the merges of one channel's tiles spread over the
+// block's threads: merge_channel_tiles in channel_norm_kernels.cuh).
+int64_t groups_per_block(const ChannelNormShape& s, const DeviceInfo& dev) {
+  const int64_t channels = (s.n * s.c + 2 * dev.sms - 1) / (2 * dev.sms);
+  const int64_t groups = (channels + s.group_size - 1) / s.group_size;
+  return groups < 1 ? 1 : groups > kGroupsPerBlock ? kGroupsPerBlock : groups;
 }
 
-int64_t group_blocks(const ChannelNormShape& s) {
-  const int64_t per = groups_per_block(s);
+int64_t group_blocks(const ChannelNormShape& s, int64_t per) {
   return s.n * ((s.groups + per - 1) / per);
 }
 
@@ -102,7 +116,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                       bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
                       acc_t<X>* var, Y* y) {
   using A = acc_t<X>;
-  const Tiles t = plan_tiles(s, V, sizeof(X), 3 * sizeof(A), dev);
+  const Tiles t = plan_tiles(s, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
   A *partial = nullptr, *chan = nullptr, *coef = nullptr;
   if (!given) {
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
@@ -110,10 +124,13 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
   }
   JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &coef));
-  group_stats<X, W><<<group_blocks(s), kChannelThreads, 0, stream>>>(
-      partial, chan, p, t, s.group_size, groups_per_block(s), epsilon, given, mean, var, coef);
-  if (write_y) apply_affine<X, Y, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
-      x, coef, silu, t, y);
+  const int64_t per = groups_per_block(s, dev);
+  group_stats<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
+      partial, chan, p, t, s.group_size, per, epsilon, given, mean, var, coef);
+  if (write_y) {
+    const Tiles ty = plan_tiles(s, V, sizeof(X), 0, dev, apply_affine<X, Y, V>);
+    apply_affine<X, Y, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(x, coef, silu, ty, y);
+  }
   return last_launch_error("channel_norm_fwd");
 }
 
@@ -159,7 +176,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                       const acc_t<X>* mean, const acc_t<X>* var, const acc_t<X>* means, X* dx,
                       W* dscale, W* dbias, acc_t<X>* sums_out) {
   using A = acc_t<X>;
-  const Tiles t = plan_tiles(s, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev);
+  const Tiles t =
+      plan_tiles(s, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev, tile_sums<X, G, W, V>);
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode != ChannelBwdMode::kSums;
   A *partial = nullptr, *chan = nullptr, *coef = nullptr;
@@ -171,15 +189,18 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   }
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out};
-  group_sums<X, W><<<group_blocks(s), kChannelThreads, 0, stream>>>(
+  const int64_t per = groups_per_block(s, dev);
+  group_sums<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
       partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
-      s.group_size, groups_per_block(s), epsilon, gmode, sums_out, coef);
+      s.group_size, per, epsilon, gmode, sums_out, coef);
   if (params_out && (dscale || dbias)) {
     param_grads<X, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
                         stream>>>(chan, s.n, s.c, dscale, dbias);
   }
-  if (dx_out) apply_dx<X, G, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
-      x, dy, coef, silu, t, dx);
+  if (dx_out) {
+    const Tiles tx = plan_tiles(s, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, V>);
+    apply_dx<X, G, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, silu, tx, dx);
+  }
   return last_launch_error("channel_norm_bwd");
 }
 

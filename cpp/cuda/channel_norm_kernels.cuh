@@ -8,7 +8,9 @@
 // R = 256 / vectors rows at a time (`Tiles`, planned in channel_norm.cu). So
 // loads and stores are whole 16-byte vectors, consecutive threads touch
 // consecutive bytes of a row, and a thread's channels, hence its per-channel
-// terms, stay the same.
+// terms, stay the same. The passes over x launch one wave: as many tiles as
+// blocks fit on the GPU at once (a second, partial wave ran the first build's
+// elementwise pass at 2.5 TB/s where XLA's ran at 3.3, notes v46).
 //
 // Each direction is a pass that reduces per (n, tile, channel) into scratch,
 // a small pass that merges those per (n, group) (in a fixed order, so the
@@ -65,43 +67,58 @@ struct TileThread {
   __device__ int64_t at(const Tiles& t, int64_t r) const {
     return (n * t.rows + r) * t.c + lane * t.vec;
   }
-  // Loads up to kRowsInFlight of the thread's rows, from row r on, of each of
-  // the K arrays p[k] (each of x's shape) into v[k][u]; returns how many.
-  template <int V, int K, typename A, typename... T>
-  __device__ int load_rows(const Tiles& t, int64_t r, A (&v)[K][kRowsInFlight][V],
-                           const T*... p) const {
-    static_assert(sizeof...(T) == K);
-    int got = 0;
-#pragma unroll
-    for (int u = 0; u < kRowsInFlight; ++u) {
-      const int64_t row = r + u * t.row_sets;
-      if (row < row_end) {
-        int k = 0;
-        (load_vec<V>(v[k++][u], p + at(t, row)), ...);
-        got = u + 1;
-      }
-    }
-    return got;
-  }
-  // f(row, v, u) for each of the thread's rows, v[k][u] the row's vector of
-  // the k-th array p[k], kRowsInFlight rows loaded before any is used.
-  template <int V, typename A, typename F, typename... T>
-  __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
+  // f(r, got, a, b) for each batch of the thread's rows r, r + R, ...: got
+  // (1 to kR) rows of the arrays p (one or two, each of x's shape) loaded as
+  // packed words into a[u] and b[u] before any is used. Packed, a 16-bit row
+  // costs 4 registers where converted it cost 8: the first build held its
+  // loads converted and ran its backward passes at one block an SM (157
+  // registers).
+  template <int V, int kR = kRowsInFlight, typename F, typename... T>
+  __device__ void for_batches(const Tiles& t, F&& f, const T*... p) const {
     constexpr int K = sizeof...(T);
-    for (int64_t r = row_begin + set; r < row_end; r += int64_t(kRowsInFlight) * t.row_sets) {
-      A v[K][kRowsInFlight][V];
-      const int got = load_rows<V>(t, r, v, p...);
+    static_assert(K == 1 || K == 2);
+    using V0 = RegVec<std::tuple_element_t<0, std::tuple<T...>>, V>;
+    using V1 = RegVec<std::tuple_element_t<K - 1, std::tuple<T...>>, V>;
+    const int64_t step = int64_t(kR) * t.row_sets;
+    for (int64_t r = row_begin + set; r < row_end; r += step) {
+      V0 a[kR];
+      V1 b[kR];
+#pragma unroll
+      for (int u = 0; u < kR; ++u) {
+        const int64_t row = r + u * t.row_sets;
+        if (row < row_end) load_rows(t, row, a[u], b[u], p...);
+      }
+      const int64_t left = (row_end - r + t.row_sets - 1) / t.row_sets;
+      f(r, left < kR ? int(left) : kR, a, b);
+    }
+  }
+  // f(row, a, b) for each of the thread's rows, kRowsInFlight loaded at a
+  // time (for_batches).
+  template <int V, typename F, typename... T>
+  __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
+    for_batches<V>(t, [&](int64_t r, int got, const auto& a, const auto& b) {
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
-        if (u >= got) break;
-        f(r + u * t.row_sets, v, u);
+        if (u < got) f(r + u * t.row_sets, a[u], b[u]);
       }
-    }
+    }, p...);
   }
   // Rows the set `s` of this thread's tile visits.
   __device__ int64_t rows_of_set(const Tiles& t, int s) const {
     const int64_t span = row_end - row_begin - s;
     return span > 0 ? (span + t.row_sets - 1) / t.row_sets : 0;
+  }
+
+ private:
+  template <typename V0, typename V1, typename T0>
+  __device__ void load_rows(const Tiles& t, int64_t row, V0& a, V1&, const T0* p0) const {
+    a.load(p0 + at(t, row));
+  }
+  template <typename V0, typename V1, typename T0, typename T1>
+  __device__ void load_rows(const Tiles& t, int64_t row, V0& a, V1& b, const T0* p0,
+                            const T1* p1) const {
+    a.load(p0 + at(t, row));
+    b.load(p1 + at(t, row));
   }
 };
 
@@ -115,6 +132,51 @@ __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, 
   mean += delta * w;
   m2 += m2_b + delta * delta * count * w;
   count = total;
+}
+
+// What a thread's tree step adds of its partner's K values: Chan's merge
+// (K = 3: count, mean, M2) or sums.
+template <int K, typename A>
+__device__ __forceinline__ void combine(A (&a)[K], const A (&b)[K]) {
+  if constexpr (K == 3) {
+    chan_merge(a[0], a[1], a[2], b[0], b[1], b[2]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) a[k] += b[k];
+  }
+}
+
+// A fixed tree over the `parts` threads p * stride + i (p < parts) of the
+// block, each holding v[e][0..K) for e < E: part p takes part p + h's values
+// for h = the largest power of two below parts, then half that, ..., so part
+// 0 ends with the combination of all in an order set by `parts` alone. Every
+// thread of the block calls it (it synchronizes); `part` is the caller's p,
+// or -1 for threads outside the tree. `shared` holds 256 * E * K values.
+template <int E, int K, typename A>
+__device__ void tree_combine(A (&v)[E][K], int part, int parts, int stride, A* shared) {
+  int h = 1;
+  while (2 * h < parts) h *= 2;
+  for (; h >= 1; h /= 2) {
+    __syncthreads();  // the previous step's reads of the slots it rewrites
+    if (part >= h && part < 2 * h) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) shared[(threadIdx.x * E + e) * K + k] = v[e][k];
+      }
+    }
+    __syncthreads();
+    if (part >= 0 && part < h && part + h < parts) {
+      const int from = int(threadIdx.x) + h * stride;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        A other[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) other[k] = shared[(from * E + e) * K + k];
+        combine<K>(v[e], other);
+      }
+    }
+  }
 }
 
 template <typename A>
@@ -142,48 +204,52 @@ struct ChannelParams {
 };
 
 // Per (n, tile, channel): count, mean and M2 of the tile's rows, into
-// partial[((n * tiles + tile) * C + c) * 3 + k].
+// partial[((n * tiles + tile) * C + c) * 3 + k]. A thread takes its rows a
+// batch at a time (6 rows of 16-bit x, else 4): the batch's own mean and M2,
+// then Chan's merge, one division a batch where Welford's update takes one a
+// row.
 template <typename X, int V>
-__global__ void __launch_bounds__(kChannelThreads) tile_stats(const X* x, Tiles t,
-                                                              acc_t<X>* partial) {
+__global__ void __launch_bounds__(kChannelThreads, 3) tile_stats(const X* x, Tiles t,
+                                                                 acc_t<X>* partial) {
   using A = acc_t<X>;
-  __shared__ A s_mean[kChannelThreads * V], s_m2[kChannelThreads * V];
+  constexpr int kR = sizeof(X) == 2 ? 6 : 4;
+  __shared__ A shared[kChannelThreads * V * 3];
   const TileThread me(t);
-  A mean[V] = {}, m2[V] = {};
+  A m[V][3];  // count, mean, M2 of each channel
+#pragma unroll
+  for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = m[e][2] = A(0);
   if (me.active) {
-    int count = 0;
-    me.for_rows<V, A>(t, [&](int64_t, const auto& v, int u) {
-      const A inv = A(1) / A(++count);
+    A count = 0;
+    me.for_batches<V, kR>(t, [&](int64_t, int got, const auto& v, const auto&) {
+      const A n_b = A(got), inv_b = got == kR ? A(1) / A(kR) : A(1) / n_b;
+      const A w = n_b / (count + n_b);
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const A d = v[0][u][e] - mean[e];
-        mean[e] += d * inv;
-        m2[e] += d * (v[0][u][e] - mean[e]);
+        A sum = 0;
+#pragma unroll
+        for (int u = 0; u < kR; ++u) sum += u < got ? v[u].get(e) : A(0);
+        const A mean_b = sum * inv_b;
+        A m2_b = 0;
+#pragma unroll
+        for (int u = 0; u < kR; ++u) {
+          const A d = v[u].get(e) - mean_b;
+          m2_b += u < got ? d * d : A(0);
+        }
+        const A delta = mean_b - m[e][1];
+        m[e][1] += delta * w;
+        m[e][2] += m2_b + delta * delta * count * w;
       }
+      count += n_b;
     }, x);
-  }
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
-    s_mean[threadIdx.x * V + e] = mean[e];
-    s_m2[threadIdx.x * V + e] = m2[e];
+    for (int e = 0; e < V; ++e) m[e][0] = count;
   }
-  __syncthreads();
+  tree_combine<V, 3>(m, me.active ? me.set : -1, t.row_sets, t.lanes_per_block, shared);
   if (!me.active || me.set != 0) return;
-  A out[V][3];
-#pragma unroll
-  for (int e = 0; e < V; ++e) out[e][0] = out[e][1] = out[e][2] = A(0);
-  for (int s = 0; s < t.row_sets; ++s) {  // the sets in order
-    const A count_s = A(me.rows_of_set(t, s));
-    const int from = (s * t.lanes_per_block + int(threadIdx.x)) * V;
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      chan_merge(out[e][0], out[e][1], out[e][2], count_s, s_mean[from + e], s_m2[from + e]);
-    }
-  }
   A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + me.lane * V) * 3;
 #pragma unroll
   for (int e = 0; e < V; ++e) {
-    dst[3 * e] = out[e][0], dst[3 * e + 1] = out[e][1], dst[3 * e + 2] = out[e][2];
+    dst[3 * e] = m[e][0], dst[3 * e + 1] = m[e][1], dst[3 * e + 2] = m[e][2];
   }
 }
 
@@ -195,9 +261,11 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
     const acc_t<X>* var, int64_t group_size, double epsilon, bool silu, Tiles t,
     acc_t<X>* partial) {
   using A = acc_t<X>;
-  __shared__ A s_d[kChannelThreads * V], s_dx[kChannelThreads * V];
+  __shared__ A shared[kChannelThreads * V * 2];
   const TileThread me(t);
-  A sum_d[V] = {}, sum_dx[V] = {};
+  A sums[V][2];  // dy', dy' xhat
+#pragma unroll
+  for (int e = 0; e < V; ++e) sums[e][0] = sums[e][1] = A(0);
   if (me.active) {
     const int64_t groups = t.c / group_size;
     A mu[V], rstd[V], w[V], b[V];
@@ -206,72 +274,30 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
       const int64_t c = me.lane * V + e, g = me.n * groups + c / group_size;
       mu[e] = mean[g];
       rstd[e] = rsqrt_acc(var[g] + A(epsilon));
-      w[e] = p.template w<A>(c);
-      b[e] = p.template b<A>(c);
+      w[e] = silu ? p.template w<A>(c) : A(0);
+      b[e] = silu ? p.template b<A>(c) : A(0);
     }
-    me.for_rows<V, A>(t, [&](int64_t, const auto& v, int u) {  // v: x, dy
+    me.for_rows<V>(t, [&](int64_t, const auto& xv, const auto& dyv) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        const A xhat = (v[0][u][e] - mu[e]) * rstd[e];
-        const A d = silu ? v[1][u][e] * silu_grad(xhat * w[e] + b[e]) : v[1][u][e];
-        sum_d[e] += d;
-        sum_dx[e] += d * xhat;
+        const A xhat = (xv.get(e) - mu[e]) * rstd[e];
+        const A d = silu ? dyv.get(e) * silu_grad(xhat * w[e] + b[e]) : A(dyv.get(e));
+        sums[e][0] += d;
+        sums[e][1] += d * xhat;
       }
     }, x, dy);
   }
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    s_d[threadIdx.x * V + e] = sum_d[e];
-    s_dx[threadIdx.x * V + e] = sum_dx[e];
-  }
-  __syncthreads();
+  tree_combine<V, 2>(sums, me.active ? me.set : -1, t.row_sets, t.lanes_per_block, shared);
   if (!me.active || me.set != 0) return;
   A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + me.lane * V) * 2;
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
-    A total_d = 0, total_dx = 0;
-    for (int s = 0; s < t.row_sets; ++s) {  // the sets in order
-      const int from = (s * t.lanes_per_block + int(threadIdx.x)) * V + e;
-      total_d += s_d[from];
-      total_dx += s_dx[from];
-    }
-    dst[2 * e] = total_d, dst[2 * e + 1] = total_dx;
-  }
-}
-
-// The warp's merge of channel c's K-value tile results (lanes take the tiles
-// 32 apart, then a butterfly; lane 0's result depends only on the data), into
-// out[0..K).
-template <int K, typename A>
-__device__ void merge_tiles(const A* partial, int64_t n, int64_t c, const Tiles& t,
-                            A (&out)[K]) {
-  const int lane = int(threadIdx.x % 32);
-#pragma unroll
-  for (int k = 0; k < K; ++k) out[k] = A(0);
-  for (int64_t tile = lane; tile < t.tiles; tile += 32) {
-    const A* src = partial + ((n * t.tiles + tile) * t.c + c) * K;
-    if constexpr (K == 3) {
-      chan_merge(out[0], out[1], out[2], src[0], src[1], src[2]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < K; ++k) out[k] += src[k];
-    }
-  }
-  for (int off = 16; off > 0; off /= 2) {
-    A other[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) other[k] = __shfl_xor_sync(0xffffffffu, out[k], off);
-    if constexpr (K == 3) {
-      chan_merge(out[0], out[1], out[2], other[0], other[1], other[2]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < K; ++k) out[k] += other[k];
-    }
-  }
+  for (int e = 0; e < V; ++e) dst[2 * e] = sums[e][0], dst[2 * e + 1] = sums[e][1];
 }
 
 // The groups a block of group_stats or group_sums covers: blocks are
-// (n, chunk of groups), `groups_per_block` groups each.
+// (n, chunk of groups), `groups_per_block` groups each (at most
+// kGroupsPerBlock).
+constexpr int kGroupsPerBlock = 64;
 struct GroupChunk {
   int64_t n, first, count;  // the chunk's groups [first, first + count)
   __device__ GroupChunk(int64_t groups, int64_t groups_per_block) {
@@ -282,8 +308,77 @@ struct GroupChunk {
   }
 };
 
+// The tiles' K-value results of the chunk's `channels` channels from
+// `first_c` on, each merged over the tiles in a fixed order into
+// chan[(n * C + c) * K + k]. Threads take (channel, split): a split merges
+// the tiles split, split + splits, ... (four loads in flight), and a tree
+// merges the splits. Every thread of the block calls it.
+template <int K, typename A>
+__device__ void merge_channel_tiles(const A* partial, int64_t n, int64_t first_c,
+                                    int64_t channels, const Tiles& t, A* chan, A* shared) {
+  const int per = channels < kChannelThreads ? int(channels) : kChannelThreads;
+  const int splits = kChannelThreads / per;
+  const int cl = int(threadIdx.x) % per, split = int(threadIdx.x) / per;
+  const bool on = split < splits;
+  for (int64_t c0 = 0; c0 < channels; c0 += per) {  // the same trips in every thread
+    const int64_t c = first_c + c0 + cl;
+    A out[1][K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) out[0][k] = A(0);
+    if (on && c0 + cl < channels) {
+      for (int64_t tile = split; tile < t.tiles; tile += 4 * int64_t(splits)) {
+        A in[4][K];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int64_t at = tile + u * int64_t(splits);
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            in[u][k] = at < t.tiles ? partial[((n * t.tiles + at) * t.c + c) * K + k] : A(0);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) combine<K>(out[0], in[u]);
+      }
+    }
+    if (splits > 1) tree_combine<1, K>(out, on ? split : -1, splits, per, shared);
+    if (on && split == 0 && c0 + cl < channels) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) chan[(n * t.c + c) * K + k] = out[0][k];
+    }
+  }
+}
+
+// Over a group's channels, warp by warp: lane l combines the channels l,
+// l + 32, ... of chan (K values each, through `load`), then an xor butterfly
+// in which both lanes of a pair combine the lower lane's values with the
+// higher's, so every lane ends with the same bits.
+template <int K, typename A, typename F>
+__device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
+  const int lane = int(threadIdx.x % 32);
+#pragma unroll
+  for (int k = 0; k < K; ++k) out[k] = A(0);
+  for (int64_t c = lane; c < group_size; c += 32) {
+    A in[K];
+    load(c, in);
+    combine<K>(out, in);
+  }
+  for (int off = 1; off < 32; off *= 2) {
+    A other[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) other[k] = __shfl_xor_sync(0xffffffffu, out[k], off);
+    if (lane & off) {
+      A mine[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) mine[k] = out[k], out[k] = other[k];
+      combine<K>(out, mine);
+    } else {
+      combine<K>(out, other);
+    }
+  }
+}
+
 // Forward, per (n, group): the tiles' statistics merged per channel (into
-// chan, K = 3 a channel), then the group's channels merged in order; writes
+// chan, K = 3 a channel), then each group's channels by a warp; writes
 // mean_out, var_out (none when `given`: then mean and var are read) and y's
 // per-channel terms coef[(n * C + c) * 2 + {0, 1}] = (a, b).
 template <typename X, typename W>
@@ -292,41 +387,29 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
     int64_t groups_per_block, double epsilon, bool given, acc_t<X>* mean, acc_t<X>* var,
     acc_t<X>* coef) {
   using A = acc_t<X>;
+  __shared__ A shared[kChannelThreads * 3];
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
+  const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
   if (!given) {
-    const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
-    for (int64_t k = threadIdx.x / 32; k < channels; k += kChannelThreads / 32) {
-      A s[3];
-      merge_tiles(partial, chunk.n, first_c + k, t, s);
-      if (threadIdx.x % 32 == 0) {
-        A* dst = chan + (chunk.n * t.c + first_c + k) * 3;
-        dst[0] = s[0], dst[1] = s[1], dst[2] = s[2];
-      }
+    merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, chan, shared);
+    __syncthreads();  // chan, written by the block's threads above
+    for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
+      const int64_t at = chunk.n * groups + chunk.first + k;
+      const A* src = chan + (chunk.n * t.c + first_c + k * group_size) * 3;
+      A m[3];
+      warp_combine<3>(group_size, [&](int64_t c, A (&in)[3]) {
+        in[0] = src[3 * c], in[1] = src[3 * c + 1], in[2] = src[3 * c + 2];
+      }, m);
+      if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = m[0] > A(0) ? m[2] / m[0] : A(0);
     }
-    __syncthreads();  // chan, written by the block's warps above
+    __syncthreads();  // mean, var
   }
-  for (int64_t k = threadIdx.x; k < chunk.count; k += kChannelThreads) {
-    const int64_t g = chunk.first + k, at = chunk.n * groups + g;
-    A mu, v;
-    if (given) {
-      mu = mean[at], v = var[at];
-    } else {
-      A count = 0, m2 = 0;
-      mu = 0;
-      for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
-        const A* s = chan + (chunk.n * t.c + c) * 3;
-        chan_merge(count, mu, m2, s[0], s[1], s[2]);
-      }
-      v = count > A(0) ? m2 / count : A(0);
-      mean[at] = mu, var[at] = v;
-    }
-    const A rstd = rsqrt_acc(v + A(epsilon));
-    for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
-      const A a = rstd * p.template w<A>(c);
-      coef[(chunk.n * t.c + c) * 2] = a;
-      coef[(chunk.n * t.c + c) * 2 + 1] = p.template b<A>(c) - mu * a;
-    }
+  for (int64_t k = threadIdx.x; k < channels; k += kChannelThreads) {
+    const int64_t c = first_c + k, at = chunk.n * groups + c / group_size;
+    const A a = rsqrt_acc(var[at] + A(epsilon)) * p.template w<A>(c);
+    coef[(chunk.n * t.c + c) * 2] = a;
+    coef[(chunk.n * t.c + c) * 2 + 1] = p.template b<A>(c) - mean[at] * a;
   }
 }
 
@@ -343,11 +426,11 @@ __global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, cons
     const int64_t at = (me.n * t.c + me.lane * V + e) * 2;
     a[e] = coef[at], b[e] = coef[at + 1];
   }
-  me.for_rows<V, A>(t, [&](int64_t r, const auto& v, int u) {
+  me.for_rows<V>(t, [&](int64_t r, const auto& v, const auto&) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const A z = v[0][u][e] * a[e] + b[e];
+      const A z = v.get(e) * a[e] + b[e];
       out[e] = silu ? z * sigmoid(z) : z;
     }
     store_vec<V>(y + me.at(t, r), out);
@@ -373,47 +456,46 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     int64_t groups_per_block, double epsilon, GroupSumsMode mode, acc_t<X>* sums_out,
     acc_t<X>* coef) {
   using A = acc_t<X>;
+  __shared__ A shared[kChannelThreads * 2];
+  __shared__ A group_means[kGroupsPerBlock][2];
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
+  const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
   if (mode.from_tiles) {
-    const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
-    for (int64_t k = threadIdx.x / 32; k < channels; k += kChannelThreads / 32) {
-      A s[2];
-      merge_tiles(partial, chunk.n, first_c + k, t, s);
-      if (threadIdx.x % 32 == 0) {
-        A* dst = chan + (chunk.n * t.c + first_c + k) * 2;
-        dst[0] = s[0], dst[1] = s[1];
-      }
-    }
-    __syncthreads();  // chan, written by the block's warps above
+    merge_channel_tiles<2>(partial, chunk.n, first_c, channels, t, chan, shared);
+    __syncthreads();  // chan, written by the block's threads above
   }
   const A count = A(t.rows * group_size);
-  for (int64_t k = threadIdx.x; k < chunk.count; k += kChannelThreads) {
-    const int64_t g = chunk.first + k, at = chunk.n * groups + g;
-    A mean_g, mean_gx;
+  for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
+    const int64_t at = chunk.n * groups + chunk.first + k;
+    A m[2];
     if (means) {
-      mean_g = means[2 * at], mean_gx = means[2 * at + 1];
+      m[0] = means[2 * at], m[1] = means[2 * at + 1];
     } else {
-      A sum_g = 0, sum_gx = 0;
-      for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
-        const A* s = chan + (chunk.n * t.c + c) * 2;
-        const A w = p.template w<A>(c);
-        sum_g += w * s[0];
-        sum_gx += w * s[1];
+      const int64_t c0 = first_c + k * group_size;
+      const A* src = chan + (chunk.n * t.c + c0) * 2;
+      warp_combine<2>(group_size, [&](int64_t c, A (&in)[2]) {
+        const A w = p.template w<A>(c0 + c);
+        in[0] = w * src[2 * c], in[1] = w * src[2 * c + 1];
+      }, m);
+      if (mode.write_sums && threadIdx.x % 32 == 0) {
+        sums_out[2 * at] = m[0], sums_out[2 * at + 1] = m[1];
       }
-      if (mode.write_sums) sums_out[2 * at] = sum_g, sums_out[2 * at + 1] = sum_gx;
-      mean_g = sum_g / count, mean_gx = sum_gx / count;
+      m[0] /= count, m[1] /= count;
     }
-    if (!mode.dx_terms) continue;
+    if (threadIdx.x % 32 == 0) group_means[k][0] = m[0], group_means[k][1] = m[1];
+  }
+  if (!mode.dx_terms) return;
+  __syncthreads();  // group_means
+  for (int64_t k = threadIdx.x; k < channels; k += kChannelThreads) {
+    const int64_t c = first_c + k, gk = k / group_size, at = chunk.n * groups + chunk.first + gk;
+    const A mean_g = group_means[gk][0], mean_gx = group_means[gk][1];
     const A mu = mean[at], rstd = rsqrt_acc(var[at] + A(epsilon));
     // dx = rstd (w dy' - mean_g - xhat mean_gx), xhat = (x - mu) rstd
-    const A k_x = -rstd * rstd * mean_gx, k_0 = rstd * (rstd * mean_gx * mu - mean_g);
-    for (int64_t c = g * group_size; c < (g + 1) * group_size; ++c) {
-      const A w = p.template w<A>(c), a = rstd * w;
-      A* dst = coef + (chunk.n * t.c + c) * 5;
-      dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
-      dst[2] = a, dst[3] = k_x, dst[4] = k_0;
-    }
+    const A w = p.template w<A>(c), a = rstd * w;
+    A* dst = coef + (chunk.n * t.c + c) * 5;
+    dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
+    dst[2] = a, dst[3] = -rstd * rstd * mean_gx, dst[4] = rstd * (rstd * mean_gx * mu - mean_g);
   }
 }
 
@@ -445,15 +527,17 @@ __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G*
 #pragma unroll
   for (int e = 0; e < V; ++e) {
 #pragma unroll
-    for (int j = 0; j < 5; ++j) k[e][j] = coef[(me.n * t.c + me.lane * V + e) * 5 + j];
+    for (int j = 0; j < 5; ++j) {
+      k[e][j] = j >= 2 || silu ? coef[(me.n * t.c + me.lane * V + e) * 5 + j] : A(0);
+    }
   }
-  me.for_rows<V, A>(t, [&](int64_t r, const auto& v, int u) {  // v: x, dy
+  me.for_rows<V>(t, [&](int64_t r, const auto& xv, const auto& dyv) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const A xv = v[0][u][e];
-      const A d = silu ? v[1][u][e] * silu_grad(xv * k[e][0] + k[e][1]) : v[1][u][e];
-      out[e] = k[e][2] * d + k[e][3] * xv + k[e][4];
+      const A xe = xv.get(e), g = dyv.get(e);
+      const A d = silu ? g * silu_grad(xe * k[e][0] + k[e][1]) : g;
+      out[e] = k[e][2] * d + k[e][3] * xe + k[e][4];
     }
     store_vec<V>(dx + me.at(t, r), out);
   }, x, dy);
