@@ -103,11 +103,6 @@ struct TileThread {
       }
     }, p...);
   }
-  // Rows the set `s` of this thread's tile visits.
-  __device__ int64_t rows_of_set(const Tiles& t, int s) const {
-    const int64_t span = row_end - row_begin - s;
-    return span > 0 ? (span + t.row_sets - 1) / t.row_sets : 0;
-  }
 
  private:
   template <typename V0, typename V1, typename T0>
