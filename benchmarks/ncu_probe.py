@@ -15,15 +15,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from bench_row_norm import IMPLS, inputs
+from bench_row_norm import IMPLS, _jax_call
 
 
 def case_fn(op, impl, pass_, shape, dtype):
-    f = IMPLS[op][impl]
-    x, params, dy = inputs(op, shape, dtype)
-    if pass_ == "fwd":
-        return jax.jit(f), (x, *params)
-    return jax.jit(lambda x, dy, *p: jax.vjp(f, x, *p)[1](dy)), (x, dy, *params)
+    """The benchmark's jitted call of the case and its arguments."""
+    fn, *args = _jax_call(op, impl, pass_, shape, dtype)
+    return fn, tuple(args)
 
 
 def main(cases: list[str]) -> None:
