@@ -1,11 +1,13 @@
-"""RMSNorm, LayerNorm, fused add+RMSNorm, GroupNorm and BatchNorm: jaxnorm
+"""RMSNorm, LayerNorm, fused add+RMSNorm, GroupNorm, BatchNorm, the channel
+softmax and local response normalization: jaxnorm
 against XLA's fused jnp implementation of the same math (same dtypes, float32
 statistics) and, where they import, PyTorch eager, torch.compile and
 Liger-Kernel (torch_peers.py), as device kernel time, forward and
 forward+backward, on the large shapes and the decode shapes (more decode
 shapes for the forwards of RMSNorm and add+RMSNorm). GroupNorm (32 groups)
 and BatchNorm (training; evaluation, forward only) take NHWC bf16 x with
-float32 scale and bias, as in a Flax convolutional model.
+float32 scale and bias, as in a Flax convolutional model; the softmax and
+LRN NHWC bf16 x, along the channels.
 
 add+RMSNorm forward, jaxnorm: the fused kernel's time, as in a model or with x
 and residual donated, where it works in place; a standalone call on inputs that
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -100,6 +103,38 @@ def xla_batch_norm_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5)
     return (y * scale + bias).astype(x.dtype)
 
 
+# Softmax over classes at each pixel (segmentation: 21 and 150 classes) and
+# over 1000 ImageNet classes; LRN as in AlexNet (size 5) on its first two
+# feature maps. NHWC: the channels last, as in Flax.
+ALONG_SHAPES = {"channel_softmax": [(16, 128, 128, 21), (16, 64, 64, 150), (16384, 1000)],
+                "local_response_norm": [(128, 55, 55, 96), (128, 27, 27, 256)],
+                "local_response_norm_nchw": [(128, 96, 55, 55)]}
+LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)
+
+
+def xla_channel_softmax(x):
+    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+def xla_local_response_norm(x, axis=-1):
+    """PyTorch's LRN: the window sums as a reduce_window over the channels,
+    zero padded."""
+    size, axis = LRN["size"], axis % x.ndim
+    xf = x.astype(jnp.float32)
+    window = tuple(size if d == axis else 1 for d in range(x.ndim))
+    pads = tuple((size // 2, (size - 1) // 2) if d == axis else (0, 0) for d in range(x.ndim))
+    sums = jax.lax.reduce_window(xf * xf, 0.0, jax.lax.add, window, (1,) * x.ndim, pads)
+    return (xf * (LRN["k"] + LRN["alpha"] / size * sums) ** -LRN["beta"]).astype(x.dtype)
+
+
+def jaxnorm_channel_softmax(x):
+    return jaxnorm.channel_softmax(x, channel_axis=-1)
+
+
+def jaxnorm_local_response_norm(x, axis=-1):
+    return jaxnorm.local_response_norm(x, channel_axis=axis, **LRN)
+
+
 def jaxnorm_group_norm(x, scale, bias):
     return jaxnorm.group_norm(x, GROUPS, scale, bias)
 
@@ -119,6 +154,12 @@ IMPLS = {
     "group_norm": {"jaxnorm": jaxnorm_group_norm, "xla": xla_group_norm},
     "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm},
     "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
+    "channel_softmax": {"jaxnorm": jaxnorm_channel_softmax, "xla": xla_channel_softmax},
+    "local_response_norm": {"jaxnorm": jaxnorm_local_response_norm,
+                            "xla": xla_local_response_norm},
+    "local_response_norm_nchw": {
+        "jaxnorm": functools.partial(jaxnorm_local_response_norm, axis=1),
+        "xla": functools.partial(xla_local_response_norm, axis=1)},
 }
 CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
 PASSES = {"batch_norm_eval": ("fwd",)}  # others: fwd and fwd+bwd
@@ -141,13 +182,15 @@ def bytes_per_element(op, pass_):
 
 def large_shapes(op):
     return {"group_norm": GROUP_SHAPES, "batch_norm": BATCH_SHAPES,
-            "batch_norm_eval": BATCH_SHAPES}.get(op, LARGE)
+            "batch_norm_eval": BATCH_SHAPES, **ALONG_SHAPES}.get(op, LARGE)
 
 
 def inputs(op, shape, dtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal(shape), dtype)
     dy = jnp.asarray(rng.standard_normal(shape), dtype)
+    if op in ALONG_SHAPES:
+        return x, [], dy
     if op in CHANNEL_OPS:  # float32 parameters (and running statistics)
         c = shape[-1]
         params = [jnp.asarray(rng.standard_normal(c) + 1, jnp.float32),
@@ -197,7 +240,7 @@ def _jax_call(op, impl, pass_, shape, dtype):
 def shapes_for(op, pass_, shapes):
     if shapes is not None:
         return shapes
-    if op in CHANNEL_OPS:
+    if op in CHANNEL_OPS or op in ALONG_SHAPES:
         return large_shapes(op)
     return LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
 
@@ -362,7 +405,9 @@ def main():
               "add_rms_norm fwd: read x, residual + write y, h; fwd+bwd: read x, residual, "
               "dy, dh + write dx (= dresidual). torch's forward+backward also writes y. "
               "GroupNorm and BatchNorm: NHWC x, float32 parameters (the bytes of x only); "
-              "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW.",
+              "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW. "
+              "channel_softmax and local_response_norm (size 5): NHWC x, over the channels "
+              "(torch's LRN takes NCHW); local_response_norm_nchw: NCHW x.",
     )
     if earlier is not None:
         base = earlier["meta"]

@@ -25,6 +25,8 @@ EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6, "group_norm":
        "batch_norm": 1e-5, "batch_norm_eval": 1e-5}
 GROUPS = 32  # as bench_row_norm.py's
 CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
+ALONG_OPS = ("channel_softmax", "local_response_norm", "local_response_norm_nchw")
+LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)  # as bench_row_norm.py
 
 
 def available() -> list[str]:
@@ -81,8 +83,21 @@ def _reference(op):
         y = (x.float() - rm) * torch.rsqrt(rv + EPS["batch_norm_eval"])
         return (y * w + b).to(x.dtype)
 
+    def softmax(x):
+        return torch.softmax(x.float(), -1).to(x.dtype)
+
+    def lrn(x, dim=-1):  # x NHWC
+        size = LRN["size"]
+        xf = x.float().movedim(dim, -1)
+        sq = torch.nn.functional.pad(xf * xf, (size // 2, (size - 1) // 2))
+        sums = sq.unfold(-1, size, 1).sum(-1)
+        y = xf * (LRN["k"] + LRN["alpha"] / size * sums) ** -LRN["beta"]
+        return y.movedim(-1, dim).to(x.dtype)
+
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
-            "batch_norm": batch, "batch_norm_eval": batch_eval}[op]
+            "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
+            "local_response_norm": lrn,
+            "local_response_norm_nchw": lambda x: lrn(x, dim=1)}[op]
 
 
 def _eager(op):
@@ -108,8 +123,15 @@ def _eager(op):
     def batch_eval(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=False, eps=EPS["batch_norm_eval"])
 
+    def softmax(x):  # x NHWC
+        return F.softmax(x, -1)
+
+    def lrn(x):  # x NCHW, contiguous
+        return F.local_response_norm(x, **LRN)
+
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
-            "batch_norm": batch, "batch_norm_eval": batch_eval}[op]
+            "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
+            "local_response_norm": lrn, "local_response_norm_nchw": lrn}[op]
 
 
 def _liger(op):
@@ -160,7 +182,7 @@ def _channel_inputs(op, impl, shape, dtype, grad):
     return args, [dy]
 
 
-def _inputs(op, shape, dtype, grad):
+def _inputs(op, impl, shape, dtype, grad):
     import torch
     g = torch.Generator(device="cuda").manual_seed(0)
 
@@ -168,6 +190,11 @@ def _inputs(op, shape, dtype, grad):
         return torch.randn(*s, generator=g, device="cuda", dtype=torch.float32).to(dtype)
 
     x = randn(*shape)
+    if op in ALONG_OPS:  # x alone; torch's LRN takes NCHW
+        dy = randn(*shape)
+        if op == "local_response_norm" and impl == "torch":
+            x, dy = (a.permute(0, 3, 1, 2).contiguous() for a in (x, dy))
+        return [x.requires_grad_(grad)], [dy]
     params = [randn(shape[-1]) + 1]
     if op == "add_rms_norm":
         params.insert(0, randn(*shape))
@@ -211,7 +238,7 @@ def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, f
     if op in CHANNEL_OPS:
         args, cotangents = _channel_inputs(op, impl, shape, dtype, grad)
     else:
-        args, cotangents = _inputs(op, shape, dtype, grad)
+        args, cotangents = _inputs(op, impl, shape, dtype, grad)
     wrt = [a for a in args if a.requires_grad]
     if pass_ == "fwd":
         def call():
@@ -242,7 +269,7 @@ def main():
     out = []
     for op, pass_, shape in request["cases"]:
         for impl in request["impls"]:
-            if impl == "liger" and op in CHANNEL_OPS:
+            if impl == "liger" and (op in CHANNEL_OPS or op in ALONG_OPS):
                 continue  # Liger's norms here are the row norms
             try:
                 kernels = timed(op, impl, pass_, tuple(shape), request["dtype"])

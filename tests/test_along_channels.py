@@ -28,10 +28,12 @@ def lrn_np(x, size, alpha, beta, k, axis):
 
 
 def lrn_jnp(x, size, alpha, beta, k, axis):
+    """The same in jnp, the window sums as differences of prefix sums."""
     xl = jnp.moveaxis(x, axis, -1)
     c = xl.shape[-1]
-    sq = jnp.pad(xl * xl, [(0, 0)] * (xl.ndim - 1) + [(size // 2, (size - 1) // 2)])
-    avg = jnp.stack([sq[..., j:j + size].sum(-1) for j in range(c)], axis=-1) / size
+    sq = jnp.pad(xl * xl, [(0, 0)] * (xl.ndim - 1) + [(size // 2 + 1, (size - 1) // 2)])
+    prefix = jnp.cumsum(sq, axis=-1)
+    avg = (prefix[..., size:size + c] - prefix[..., :c]) / size
     return jnp.moveaxis(xl / (k + alpha * avg) ** beta, -1, axis)
 
 
@@ -96,6 +98,61 @@ def test_softmax_values(shape, axis, dtype):
     assert_close(y, softmax_np(x, axis), dtype)
 
 
+# Channels not last (the positions' channels strided, an odd count of
+# positions after them) and last, from few channels to long lines (4097,
+# 65537).
+LINE_CASES = [  # shape, axis
+    ((3, 37, 5, 7), 1),
+    ((2, 3, 70, 33), 2),
+    ((67, 3), -1),
+    ((5, 9, 8), -1),
+    ((3, 11, 40), -1),
+    ((2, 13, 129), -1),
+    ((3, 4097), -1),
+    ((2, 65537), -1),
+]
+
+
+def _op(name, axis):
+    if name == "lrn":
+        return (functools.partial(jaxnorm.local_response_norm, size=5, alpha=0.5, beta=0.75,
+                                  k=2.0, channel_axis=axis),
+                lambda x: lrn_jnp(x, 5, 0.5, 0.75, 2.0, axis))
+    return (functools.partial(jaxnorm.channel_softmax, channel_axis=axis),
+            lambda x: jax.nn.softmax(x, axis=axis))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape,axis", LINE_CASES, ids=str)
+@pytest.mark.parametrize("name", ["lrn", "softmax"])
+def test_forward_and_backward_against_float64(name, shape, axis, dtype):
+    f, ref = _op(name, axis)
+    x = rand(10, shape, dtype, offset=0.5) * 2
+    dy = rand(11, shape, dtype)
+    x64, dy64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, dy))
+    y, pullback = jax.vjp(jax.jit(f), x)
+    want_y, want_pullback = jax.vjp(ref, x64)
+    assert y.dtype == x.dtype
+    assert_close(y, want_y, dtype)
+    (dx,) = pullback(dy)
+    (want_dx,) = want_pullback(dy64)
+    assert dx.dtype == x.dtype
+    # the softmax's backward takes y rounded to x's dtype
+    assert_close(dx, want_dx, dtype, scale=float(jnp.max(jnp.abs(want_dx))))
+
+
+def test_softmax_of_minus_infinity_is_zero():
+    """A -inf channel gets probability 0 and leaves its position's others
+    finite, wherever it is on the line, and half a line of -inf too."""
+    x = np.array(rand(12, (4, 200), jnp.float32))
+    x[0, 0] = x[1, 37] = x[2, 199] = -np.inf
+    x[3, :100] = -np.inf
+    y = np.asarray(jaxnorm.channel_softmax(jnp.asarray(x), channel_axis=-1))
+    assert np.isfinite(y).all()
+    assert y[0, 0] == y[1, 37] == y[2, 199] == 0 and (y[3, :100] == 0).all()
+    np.testing.assert_allclose(y.sum(-1), 1.0, rtol=1e-5)
+
+
 def test_softmax_of_large_values_does_not_overflow():
     x = jnp.asarray([[1000.0, 1001.0, 999.0]], jnp.float32)
     y = jaxnorm.channel_softmax(x, channel_axis=-1)
@@ -110,6 +167,23 @@ def test_softmax_gradients():
     got = jax.vjp(f, x)[1](dy)[0]
     want = jax.vjp(lambda x: jax.nn.softmax(x, axis=1), x)[1](dy)[0]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape,axis", [((5, 40), -1), ((3, 300), -1), ((3, 6, 4), 1)],
+                         ids=str)
+@pytest.mark.parametrize("op", ["lrn", "softmax"])
+def test_nan_confined_to_its_position(op, shape, axis):
+    f, _ = _op(op, axis)
+    bad = np.array(rand(13, shape, jnp.float32))
+    where = tuple(min(1, d - 1) for d in shape)
+    bad[where] = np.nan
+    y = np.asarray(jax.jit(f)(jnp.asarray(bad)))
+    hit = np.zeros(y.shape, bool)
+    position = list(where)
+    position[axis] = slice(None)
+    hit[tuple(position)] = True
+    assert np.isfinite(y[~hit]).all()
+    assert np.isnan(y[where])
 
 
 @pytest.mark.parametrize("op", ["lrn", "softmax"])
