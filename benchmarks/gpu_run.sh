@@ -8,7 +8,8 @@
 # Llama-style model benchmark, "unet", the convolutional models' benchmark
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
-# -k SANITIZE_K); SKIP_BUILD=1 keeps an earlier build;
+# -k SANITIZE_K; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
+# orderings alone); SKIP_BUILD=1 keeps an earlier build;
 # BWD_ROLES=1 builds the trial warp-role backward into the handlers
 # (CMakeLists.txt); BENCH_ARGS
 # go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
@@ -31,20 +32,22 @@ fi
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; uname -r; } \
   | tee "$OUT/device.txt"
-echo "== build"
-start=$(date +%s)
-if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
-  echo "kept the earlier build"
-elif ! python3 -m pip install --no-build-isolation --no-deps -v \
-    -C cmake.define.JAXNORM_CUDA=ON \
-    -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
-    -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
-    . > "$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; exit 1
+if [ "$STEPS" != mbarrier ]; then  # the mbarrier check alone needs no jaxnorm build
+  echo "== build"
+  start=$(date +%s)
+  if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
+    echo "kept the earlier build"
+  elif ! python3 -m pip install --no-build-isolation --no-deps -v \
+      -C cmake.define.JAXNORM_CUDA=ON \
+      -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
+      -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
+      . > "$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"; exit 1
+  fi
+  echo "built in $(( $(date +%s) - start )) s"
+  rm -f "$OUT/build.log"  # kept only when the build fails
+  (cd /tmp && python3 -c "import jax, jaxnorm; print('jax', jax.__version__, jax.devices(), 'kernels:', jaxnorm.kernel_platforms())")
 fi
-echo "built in $(( $(date +%s) - start )) s"
-rm -f "$OUT/build.log"  # kept only when the build fails
-(cd /tmp && python3 -c "import jax, jaxnorm; print('jax', jax.__version__, jax.devices(), 'kernels:', jaxnorm.kernel_platforms())")
 
 tests_rc=0
 if step tests; then
@@ -93,6 +96,22 @@ if step sanitize; then
     echo "exit status $?" >> "$OUT/sanitizer_$tool.log"
     grep -E "SUMMARY|passed|failed|exit status" "$OUT/sanitizer_$tool.log" | tail -4
   done
+fi
+
+if step mbarrier; then
+  # Which mbarrier orderings racecheck understands (kernels/mbarrier_racecheck.cu).
+  echo "== racecheck on the mbarrier orderings alone"
+  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
+      -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
+      benchmarks/kernels/mbarrier_racecheck.cu -o /tmp/mbarrier_racecheck \
+      > "$OUT/mbarrier_build.log" 2>&1; then
+    for v in bulk ring slots; do
+      compute-sanitizer --tool racecheck /tmp/mbarrier_racecheck "$v" 2>&1 \
+        | tee -a "$OUT/mbarrier_racecheck.log" | grep -E "sums|SUMMARY|Race" | head -5
+    done
+  else
+    tail -20 "$OUT/mbarrier_build.log"
+  fi
 fi
 
 if step plans; then
