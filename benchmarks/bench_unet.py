@@ -7,8 +7,12 @@ step (sum of kernel durations, as devtime.py measures them), bf16.
 - resnet: the conv + BatchNorm + ReLU classifier, batch 128 of 56x56 images,
   64 channels, on one device.
 
-The variants take turns, `--repeats` times each (a fresh compilation each
-time), and the table gives the median with its range.
+Three variants: jaxnorm's norms with the activation that follows each fused
+into it (GroupNorm + SiLU, BatchNorm + ReLU), the same norms with the
+activations apart (as Flax's model applies them), and Flax's norms. They
+take turns, `--repeats` times each (a fresh compilation each time), and the
+table gives the median with its range; the first round prints each
+variant's longest kernels.
 
   python benchmarks/bench_unet.py --out DIR [--repeats 3]
 """
@@ -44,8 +48,17 @@ MODELS = {  # name: (batch, image size, channels)
 TINY = {"unet": (2, 16, 32), "resnet": (4, 16, 32)}  # --tiny: checks the script
 
 
-def step_time_us(model_name: str, norms: str, batch: int, size: int, channels: int) -> float:
-    cfg = Config(norms=norms, channels=channels, dtype=jnp.bfloat16)
+VARIANTS = {  # name: Config fields
+    "jaxnorm": dict(norms="jaxnorm"),
+    "jaxnorm, activations apart": dict(norms="jaxnorm", fuse_activations=False),
+    "flax": dict(norms="flax"),
+}
+
+
+def step_time_us(model_name: str, variant: str, batch: int, size: int, channels: int,
+                 top: int = 0) -> float:
+    """The step's device time; with `top`, prints its `top` longest kernels."""
+    cfg = Config(**VARIANTS[variant], channels=channels, dtype=jnp.bfloat16)
     if model_name == "unet":
         model = UNet(cfg)
         x0 = images(jax.random.key(0), batch, size)
@@ -61,6 +74,10 @@ def step_time_us(model_name: str, norms: str, batch: int, size: int, channels: i
         args = (variables, tx.init(variables["params"]), x, labels)
         step = jax.jit(make_classify_step(model, tx))
     kernels = kernel_times_or_wall(step, *args, iters=10, warmup=2)
+    if top:
+        longest = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+        print(f"# {model_name} [{variant}] kernels (µs a step): "
+              + ", ".join(f"{k[:40]} {v:.1f}" for k, v in longest), flush=True)
     return sum(kernels.values())
 
 
@@ -74,11 +91,12 @@ def main():
     sizes = TINY if args.tiny else MODELS
     records, lines = [], []
     for name, (batch, size, channels) in sizes.items():
-        times = {"jaxnorm": [], "flax": []}
-        for _ in range(args.repeats):
-            for norms in times:
-                times[norms].append(step_time_us(name, norms, batch, size, channels))
-                print(f"# {name} [{norms}]: {times[norms][-1]:.0f} µs", flush=True)
+        times = {v: [] for v in VARIANTS}
+        for r in range(args.repeats):
+            for v in times:
+                times[v].append(step_time_us(name, v, batch, size, channels,
+                                             top=25 if r == 0 else 0))
+                print(f"# {name} [{v}]: {times[v][-1]:.0f} µs", flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["flax"] / med["jaxnorm"]
         records.append(dict(model=name, batch=batch, size=size, channels=channels,
@@ -94,8 +112,8 @@ def main():
         f"bf16; device time of a training step, µs: median of {args.repeats} compilations "
         "(range).",
         "",
-        "| model | batch | jaxnorm | flax | flax / jaxnorm |",
-        "|---|---|---:|---:|---:|",
+        "| model | batch | " + " | ".join(VARIANTS) + " | flax / jaxnorm |",
+        "|---|---|" + "---:|" * (len(VARIANTS) + 1),
         *lines,
     ])
     meta = dict(device=device, date=datetime.date.today().isoformat(), jax=jax.__version__,

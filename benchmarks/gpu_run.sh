@@ -9,9 +9,9 @@
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
-# orderings alone); SKIP_BUILD=1 keeps an earlier build;
-# BWD_ROLES=1 builds the trial warp-role backward into the handlers
-# (CMakeLists.txt); BENCH_ARGS
+# orderings alone; "channel_plans", kernels/channel_plans.cu: these two and
+# "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
+# BENCH_ARGS
 # go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory); the step
 # "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
@@ -32,7 +32,11 @@ fi
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; uname -r; } \
   | tee "$OUT/device.txt"
-if [ "$STEPS" != mbarrier ]; then  # the mbarrier check alone needs no jaxnorm build
+needs_build=$([ -z "$STEPS" ] && echo 1)  # the build alone
+for s in $STEPS; do  # the mbarrier check and the C++ harnesses need no jaxnorm build
+  case $s in mbarrier|channel_plans|plans) ;; *) needs_build=1 ;; esac
+done
+if [ -n "$needs_build" ]; then
   echo "== build"
   start=$(date +%s)
   if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
@@ -40,7 +44,6 @@ if [ "$STEPS" != mbarrier ]; then  # the mbarrier check alone needs no jaxnorm b
   elif ! python3 -m pip install --no-build-isolation --no-deps -v \
       -C cmake.define.JAXNORM_CUDA=ON \
       -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
-      -C cmake.define.JAXNORM_BWD_ROLES="$([ "${BWD_ROLES:-0}" = 1 ] && echo ON || echo OFF)" \
       . > "$OUT/build.log" 2>&1; then
     tail -40 "$OUT/build.log"; exit 1
   fi
@@ -105,7 +108,7 @@ if step mbarrier; then
       -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
       benchmarks/kernels/mbarrier_racecheck.cu -o /tmp/mbarrier_racecheck \
       > "$OUT/mbarrier_build.log" 2>&1; then
-    for v in bulk ring slots; do
+    for v in bulk ring slots ring_all slots_all; do
       compute-sanitizer --tool racecheck /tmp/mbarrier_racecheck "$v" 2>&1 \
         | tee -a "$OUT/mbarrier_racecheck.log" | grep -E "sums|SUMMARY|Race" | head -5
     done
@@ -114,11 +117,23 @@ if step mbarrier; then
   fi
 fi
 
+if step channel_plans; then
+  echo "== channel norm statistics pass (C++, kernels/channel_plans.cu)"
+  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
+      -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
+      benchmarks/kernels/channel_plans.cu -o /tmp/channel_plans > "$OUT/channel_plans_build.log" 2>&1; then
+    rm -f "$OUT/channel_plans_build.log"
+    /tmp/channel_plans > "$OUT/channel_plans.txt" 2>&1 || tail -5 "$OUT/channel_plans.txt"
+    cat "$OUT/channel_plans.txt"
+  else
+    tail -20 "$OUT/channel_plans_build.log"
+  fi
+fi
+
 if step plans; then
   echo "== kernel plans (C++, every register-path plan)"
   jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
-  roles_flag=$([ "${BWD_ROLES:-0}" = 1 ] && echo -DJAXNORM_BWD_ROLES)
-  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr $roles_flag -Icpp -isystem "$jaxinc" \
+  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
       benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
     rm -f "$OUT/plans_build.log"
     /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"

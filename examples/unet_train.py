@@ -40,6 +40,7 @@ import jaxnorm.linen
 @dataclass(frozen=True)
 class Config:
     norms: str = "jaxnorm"      # or "flax"
+    fuse_activations: bool = True  # jaxnorm's norms take the activation after them
     channels: int = 64          # of the first stage; the second has twice as many
     groups: int = 32
     dtype: jnp.dtype = jnp.float32
@@ -47,10 +48,11 @@ class Config:
 
 def group_norm_silu(cfg: Config, name: str):
     """GroupNorm followed by SiLU: one kernel with jaxnorm, two ops with Flax."""
-    if cfg.norms == "jaxnorm":
+    if cfg.norms == "jaxnorm" and cfg.fuse_activations:
         return jaxnorm.linen.GroupNorm(num_groups=cfg.groups, dtype=cfg.dtype,
                                        activation="silu", name=name)
-    norm = nn.GroupNorm(num_groups=cfg.groups, dtype=cfg.dtype, name=name)
+    group_norm = jaxnorm.linen.GroupNorm if cfg.norms == "jaxnorm" else nn.GroupNorm
+    norm = group_norm(num_groups=cfg.groups, dtype=cfg.dtype, name=name)
     return lambda x: nn.silu(norm(x))
 
 
@@ -119,7 +121,8 @@ def make_denoise_step(model, tx):
 
 class ResNet(nn.Module):
     """conv + BatchNorm + ReLU blocks with residual connections, then a linear
-    classifier on the pooled features."""
+    classifier on the pooled features. jaxnorm's BatchNorm takes a ReLU that
+    follows it as its fused activation (the same parameters and statistics)."""
 
     cfg: Config
     classes: int = 10
@@ -130,10 +133,16 @@ class ResNet(nn.Module):
                       else nn.BatchNorm)
         norm = functools.partial(batch_norm, use_running_average=not train, momentum=0.9,
                                  dtype=self.cfg.dtype)
+
+        def norm_relu(name, h):
+            if self.cfg.norms == "jaxnorm" and self.cfg.fuse_activations:
+                return norm(name=name, activation="relu")(h)
+            return nn.relu(norm(name=name)(h))
+
         c = self.cfg.channels
-        h = nn.relu(norm(name="bn_in")(nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(x)))
+        h = norm_relu("bn_in", nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(x))
         for i in range(2):
-            r = nn.relu(norm(name=f"bn{i}a")(nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(h)))
+            r = norm_relu(f"bn{i}a", nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(h))
             r = norm(name=f"bn{i}b")(nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(r))
             h = nn.relu(h + r)
         return nn.Dense(self.classes, dtype=jnp.float32)(jnp.mean(h, axis=(1, 2)))

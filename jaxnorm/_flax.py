@@ -8,8 +8,8 @@ from collections.abc import Sequence
 import jax
 from flax.linen import dtypes
 
+from jaxnorm.channel_norm import ACTIVATIONS, batch_norm
 from jaxnorm.channel_norm import _normalize as channel_normalize
-from jaxnorm.channel_norm import batch_norm
 from jaxnorm.row_norm import add_rms_norm, layer_norm, rms_norm
 
 UNSUPPORTED = """
@@ -101,9 +101,9 @@ GROUP_NORM_UNSUPPORTED = """
     Flax's results up to rounding. ``axis_name`` means what it means in Flax:
     the reduced (spatial) dims are split over that mapped axis.
 
-    One field more than Flax's: ``activation`` (None or ``"silu"``) applies
-    SiLU to the output, fused into the kernel (as diffusion models' blocks
-    do right after the norm).
+    One field more than Flax's: ``activation`` (None, ``"silu"`` or
+    ``"relu"``) applies that function to the output, fused into the kernel
+    (as diffusion models' blocks apply SiLU right after the norm).
 """
 
 BATCH_NORM_UNSUPPORTED = """
@@ -117,6 +117,11 @@ BATCH_NORM_UNSUPPORTED = """
     (mean, M2); under ``jit`` with the batch sharded, automatically. A
     ``mask`` runs `jaxnorm.batch_norm`'s masked path (jax.numpy), whose
     synchronization weighs each device by its count of True positions.
+
+    One field more than Flax's: ``activation`` (None, ``"relu"`` or
+    ``"silu"``) applies that function to the output, fused (a ResNet's
+    BatchNorm then ReLU: the backward then takes ReLU's derivative from x,
+    where XLA would otherwise write the masked cotangent for the kernel).
 """
 
 
@@ -153,15 +158,18 @@ def group_normalize(x, scale, bias, *, lead_ndim, num_groups, epsilon, dtype, ax
                              activation=activation, dtype=out, axis_name=axis_name)[0]
 
 
-def check_activation(activation):
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"GroupNorm: activation must be None or 'silu', got {activation!r}")
+def check_activation(module: str, activation):
+    if not isinstance(activation, str | None) or activation not in ACTIVATIONS:
+        raise ValueError(
+            f"{module}: activation must be None, 'silu' or 'relu', got {activation!r}")
     return activation
 
 
-def activate(y, activation):
+def activate(module: str, y, activation):
     """The activation applied after Flax's own computation (the fallback)."""
-    return y if check_activation(activation) is None else jax.nn.silu(y)
+    if check_activation(module, activation) is None:
+        return y
+    return jax.nn.relu(y) if activation == "relu" else jax.nn.silu(y)
 
 
 def single_feature_axis(x, axis) -> int | None:
@@ -173,12 +181,13 @@ def single_feature_axis(x, axis) -> int | None:
 
 
 def batch_normalize(x, scale, bias, running_mean, running_var, *, use_running_average,
-                    momentum, epsilon, dtype, axis_name, axis, mask):
+                    momentum, epsilon, dtype, axis_name, axis, mask, activation):
     """Flax's BatchNorm on the kernels, in Flax's output dtype: (y, new mean,
     new var), the running statistics unchanged with ``use_running_average``."""
     out = dtypes.canonicalize_dtype(*(a for a in (x, scale, bias) if a is not None), dtype=dtype)
     return batch_norm(x, scale, bias, running_mean, running_var,
                       training=not use_running_average, momentum=momentum, epsilon=epsilon,
                       axis_name=axis_name, channel_axis=axis, dtype=out,
-                      mask=None if mask is None else jax.numpy.asarray(mask, bool))
+                      mask=None if mask is None else jax.numpy.asarray(mask, bool),
+                      activation=activation)
 

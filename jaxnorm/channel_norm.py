@@ -103,8 +103,32 @@ def _fwd_kernel_abstract(x, scale, bias, mean, var, *, group_size, out_dtype, wr
     return y, stat, stat
 
 
-def _fwd_kernel_reference(x, scale, bias, mean, var, *, group_size, epsilon, silu, out_dtype,
-                          write_output):
+# The kernels' codes of the fused activations (cpp/common/activation.h).
+ACTIVATIONS = {None: 0, "silu": 1, "swish": 1, "relu": 2}
+
+
+def _activate(z, activation):
+    """act(z) for an activation code."""
+    if activation == ACTIVATIONS["silu"]:
+        return z * jax.nn.sigmoid(z)
+    if activation == ACTIVATIONS["relu"]:
+        return jnp.maximum(z, 0)  # NaN stays NaN
+    return z
+
+
+def _activation_backward(dy, z, activation):
+    """dy act'(z), the cotangent of act's input (ReLU's: dy where z > 0, else
+    0, as jax.nn.relu's)."""
+    if activation == ACTIVATIONS["silu"]:
+        s = jax.nn.sigmoid(z)
+        return dy * s * (1 + z * (1 - s))
+    if activation == ACTIVATIONS["relu"]:
+        return jnp.where(z > 0, dy, 0)
+    return dy
+
+
+def _fwd_kernel_reference(x, scale, bias, mean, var, *, group_size, epsilon, activation,
+                          out_dtype, write_output):
     given = not _is_placeholder(mean)
     stats = stats_dtype(x.dtype)
     if not given:
@@ -115,13 +139,12 @@ def _fwd_kernel_reference(x, scale, bias, mean, var, *, group_size, epsilon, sil
     if not write_output:
         return (empty(out_dtype), *out_stats)
     z = _affine(_xhat(x, mean, var, group_size, epsilon), scale, bias)
-    y = z * jax.nn.sigmoid(z) if silu else z
-    return (y.astype(out_dtype), *out_stats)
+    return (_activate(z, activation).astype(out_dtype), *out_stats)
 
 
-def _attributes(*, group_size, epsilon, silu, **_):
+def _attributes(*, group_size, epsilon, activation, **_):
     return {"group_size": np.int64(group_size), "epsilon": np.float64(epsilon),
-            "silu": np.bool_(silu)}
+            "activation": np.int32(activation)}
 
 
 def _supports(platform, x, *_, **__):
@@ -154,24 +177,22 @@ def _bwd_kernel_abstract(x, scale, bias, mean, var, dy, means, *, group_size, mo
     return dx, grad_of(scale), grad_of(bias), sums
 
 
-def _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, silu):
-    """xhat and dy through SiLU's derivative, in the statistics dtype."""
+def _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, activation):
+    """xhat and dy through the activation's derivative, in the statistics dtype."""
     xhat = _xhat(x, mean, var, group_size, epsilon)
     d = dy.astype(xhat.dtype)
-    if silu:
-        z = _affine(xhat, scale, bias)
-        s = jax.nn.sigmoid(z)
-        d = d * s * (1 + z * (1 - s))
+    if activation:
+        d = _activation_backward(d, _affine(xhat, scale, bias), activation)
     return xhat, d
 
 
-def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, epsilon, silu,
-                          mode, param_grads, param_dtype):
+def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, epsilon,
+                          activation, mode, param_grads, param_dtype):
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) over each group,
     g = dy' * scale; mode "full" computes the means, "sums" returns their sums
     (no dx), "dx" takes them."""
     n, a, c, b = x.shape
-    xhat, d = _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, silu)
+    xhat, d = _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, activation)
     g = d * scale.astype(d.dtype)[None, None, :, None] if scale.size else d
 
     def group_sum(v):
@@ -257,7 +278,7 @@ def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, grou
 
 
 def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, group_size,
-               epsilon, silu, frozen, param_dtype, xla_elementwise=False):
+               epsilon, activation, frozen, param_dtype, xla_elementwise=False):
     """The backward on one device's block. With the reduced dims split, a
     first launch returns this block's per-group sums, one all-reduce adds them
     up (with the parameter gradients) and a second launch writes dx. Frozen
@@ -272,7 +293,8 @@ def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, 
     wide = jnp.promote_types(param_dtype, jnp.float32) if param_axes else param_dtype
     s, bi = scale.astype(wide), bias.astype(wide)
     args = (x4, s, bi, m2, v2, dy4)
-    params = dict(group_size=group_size, epsilon=epsilon, silu=silu, param_dtype=wide)
+    params = dict(group_size=group_size, epsilon=epsilon, activation=activation,
+                  param_dtype=wide)
     run = functools.partial(kernel, *args, **params)
     dx_of = functools.partial(_bwd_kernel_reference, *args, **params) if xla_elementwise else run
     stats = stats_dtype(x.dtype)
@@ -413,7 +435,7 @@ class _Config(NamedTuple):
     axis: int              # the channel axis, negative
     group_size: int
     epsilon: float
-    silu: bool
+    activation: int        # the fused activation's code (ACTIVATIONS)
     out_dtype: np.dtype    # what the kernel writes: x's dtype or float32
     param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
     given: bool            # statistics given (BatchNorm's evaluation), not computed
@@ -422,7 +444,8 @@ class _Config(NamedTuple):
 
     def kernel_params(self):
         return dict(lead_ndim=self.lead_ndim, axis=self.axis, group_size=self.group_size,
-                    epsilon=self.epsilon, silu=self.silu, xla_elementwise=self.xla_elementwise)
+                    epsilon=self.epsilon, activation=self.activation,
+                    xla_elementwise=self.xla_elementwise)
 
 
 def _forward(x, scale, bias, mean, var, cfg: _Config):
@@ -464,13 +487,11 @@ def _channel_norm_bwd(cfg, res, cotangents):
 _channel_norm.defvjp(_channel_norm_fwd, _channel_norm_bwd)
 
 
-def _activation(op: str, activation) -> bool:
-    """Whether `activation` asks for the fused SiLU."""
-    if activation is None:
-        return False
-    if activation in ("silu", "swish"):
-        return True
-    raise ValueError(f"{op}: activation must be None or 'silu', got {activation!r}")
+def _activation(op: str, activation) -> int:
+    """The code of the fused activation `activation` names."""
+    if isinstance(activation, str | None) and activation in ACTIVATIONS:
+        return ACTIVATIONS[activation]
+    raise ValueError(f"{op}: activation must be None, 'silu' or 'relu', got {activation!r}")
 
 
 def _per_channel_args(op, channels, channel_axis, **arrays):
@@ -544,8 +565,9 @@ def group_norm(
       scale, bias: optional arrays of shape ``(C,)``.
       epsilon: added to the variance; a static float >= 0.
       channel_axis: the axis of the channels (any but the batch axis 0).
-      activation: None, or ``"silu"`` to return ``silu(y)`` (as diffusion
-        models apply right after), fused, with its gradient.
+      activation: None, ``"silu"`` to return ``silu(y)`` (as diffusion
+        models apply right after) or ``"relu"`` for ``relu(y)``; fused, with
+        its gradient.
       dtype: output dtype (default: ``x.dtype``).
       axis_name: inside ``shard_map``, the mesh axis name (or tuple of names)
         over which the spatial dims are split: each group's statistics are
@@ -646,7 +668,10 @@ def batch_norm(
       unbiased_running_var: keep the unbiased batch variance in the running
         variance (PyTorch's convention); normalization always uses the biased
         one.
-      activation: None, or ``"silu"`` for ``silu(y)``, fused.
+      activation: None, ``"silu"`` for ``silu(y)`` or ``"relu"`` for
+        ``relu(y)`` (a ResNet's BatchNorm then ReLU), fused: the backward
+        takes the activation's derivative from x and the cotangent of its
+        output, so no cotangent of y is written for the kernel to read.
       dtype: output dtype (default: ``x.dtype``).
       mask: in training, an optional boolean array broadcastable to ``x``:
         the statistics cover the True positions only (padding, or devices
@@ -741,8 +766,7 @@ def _masked_batch_norm(op, x, scale, bias, mask, *, channel_axis, epsilon, activ
         y = y * scale.astype(acc).reshape(shape)
     if bias is not None:
         y = y + bias.astype(acc).reshape(shape)
-    if _activation(op, activation):
-        y = y * jax.nn.sigmoid(y)
+    y = _activate(y, _activation(op, activation))
     out = _checks.output_dtype(op, dtype, x.dtype)
     return y.astype(out), mean, var, count
 

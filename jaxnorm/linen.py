@@ -92,7 +92,7 @@ class GroupNorm(nn.GroupNorm):
         lead = group_lead_ndim(x, self.reduction_axes)
         groups = flax_num_groups(x.shape[-1], self.num_groups, self.group_size) if x.ndim else None
         if lead is None or groups is None or mask is not None or self.axis_index_groups:
-            return activate(super().__call__(x, mask=mask), self.activation)
+            return activate("GroupNorm", super().__call__(x, mask=mask), self.activation)
         shape = (x.shape[-1],)
         scale = self.param("scale", self.scale_init, shape, self.param_dtype) if (
             self.use_scale) else None
@@ -106,12 +106,15 @@ class GroupNorm(nn.GroupNorm):
 class BatchNorm(nn.BatchNorm):
     __doc__ = "jaxnorm's kernels behind ``flax.linen.BatchNorm``.\n" + BATCH_NORM_UNSUPPORTED
 
+    activation: str | None = None
+
     @nn.compact
     def __call__(self, x, use_running_average=None, *, mask=None):
         """x: (..., C, ...) with the features on ``axis``; returns y of x's shape."""
         axis = single_feature_axis(x, self.axis)
         if axis is None or self.axis_index_groups is not None:
-            return super().__call__(x, use_running_average, mask=mask)
+            return activate("BatchNorm", super().__call__(x, use_running_average, mask=mask),
+                            self.activation)
         use_ra = nn.merge_param("use_running_average", self.use_running_average,
                                 use_running_average)
         shape = (x.shape[axis],)
@@ -126,7 +129,8 @@ class BatchNorm(nn.BatchNorm):
         y, mean, var = batch_normalize(
             x, scale, bias, ra_mean.value, ra_var.value, use_running_average=use_ra,
             momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
-            axis_name=None if initializing else self.axis_name, axis=axis, mask=mask)
+            axis_name=None if initializing else self.axis_name, axis=axis, mask=mask,
+            activation=self.activation)
         if not use_ra and not initializing:  # Flax leaves the statistics at init
             ra_mean.value, ra_var.value = mean, var
         return y

@@ -86,13 +86,13 @@ class GroupNorm(nnx.GroupNorm):
 
     def __init__(self, *args, activation: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.activation = check_activation(activation)
+        self.activation = check_activation("GroupNorm", activation)
 
     def __call__(self, x, *, mask=None):
         """x: (*batch, ..., num_features); returns y of x's shape."""
         lead = group_lead_ndim(x, self.reduction_axes)
         if lead is None or mask is not None or self.axis_index_groups is not None:
-            return activate(super().__call__(x, mask=mask), self.activation)
+            return activate("GroupNorm", super().__call__(x, mask=mask), self.activation)
         x, scale, bias = self.promote_dtype((x, _value(self.scale), _value(self.bias)),
                                             dtype=self.dtype)
         return group_normalize(x, scale, bias, lead_ndim=lead, num_groups=self.num_groups,
@@ -103,12 +103,17 @@ class GroupNorm(nnx.GroupNorm):
 class BatchNorm(nnx.BatchNorm):
     __doc__ = "jaxnorm's kernels behind ``flax.nnx.BatchNorm``.\n" + BATCH_NORM_UNSUPPORTED
 
+    def __init__(self, *args, activation: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.activation = check_activation("BatchNorm", activation)
+
     def __call__(self, x, use_running_average=None, *, mask=None):
         """x: (..., num_features, ...) with the features on ``axis``; returns y
         of x's shape."""
         axis = single_feature_axis(x, self.axis)
         if axis is None or self.axis_index_groups is not None:
-            return super().__call__(x, use_running_average, mask=mask)
+            return activate("BatchNorm", super().__call__(x, use_running_average, mask=mask),
+                            self.activation)
         use_ra = first_from(use_running_average, self.use_running_average,
                             error_msg="No `use_running_average` argument was provided to "
                                       "BatchNorm (see flax.nnx.BatchNorm)")
@@ -119,7 +124,7 @@ class BatchNorm(nnx.BatchNorm):
         y, mean, var = batch_normalize(
             x, scale, bias, self.mean[...], self.var[...], use_running_average=use_ra,
             momentum=self.momentum, epsilon=self.epsilon, dtype=self.dtype,
-            axis_name=self.axis_name, axis=axis, mask=mask)
+            axis_name=self.axis_name, axis=axis, mask=mask, activation=self.activation)
         if not use_ra:
             self.mean[...] = jax.lax.stop_gradient(mean)
             self.var[...] = jax.lax.stop_gradient(var)

@@ -21,7 +21,7 @@ def _channels_last(x, axis):
     return np.moveaxis(np.asarray(x, np.float64), axis, -1)
 
 
-def group_norm_np(x, groups, scale, bias, eps, axis=-1, silu=False):
+def group_norm_np(x, groups, scale, bias, eps, axis=-1, act=None):
     """Float64 GroupNorm: x (N, ..., C, ...) with the channels on `axis`."""
     xl = _channels_last(x, axis)
     n, c = xl.shape[0], xl.shape[-1]
@@ -29,16 +29,16 @@ def group_norm_np(x, groups, scale, bias, eps, axis=-1, silu=False):
     mean = xg.mean(axis=(1, 3), keepdims=True)
     var = ((xg - mean) ** 2).mean(axis=(1, 3), keepdims=True)
     y = ((xg - mean) / np.sqrt(var + eps)).reshape(xl.shape)
-    y = _affine_np(y, scale, bias, silu)
+    y = _affine_np(y, scale, bias, act)
     return np.moveaxis(y, -1, axis)
 
 
-def _affine_np(y, scale, bias, silu):
+def _affine_np(y, scale, bias, act):
     if scale is not None:
         y = y * np.asarray(scale, np.float64)
     if bias is not None:
         y = y + np.asarray(bias, np.float64)
-    return y / (1 + np.exp(-y)) if silu else y
+    return {None: y, "silu": y / (1 + np.exp(-y)), "relu": np.maximum(y, 0)}[act]
 
 
 def batch_stats_np(x, axis=-1):
@@ -46,9 +46,9 @@ def batch_stats_np(x, axis=-1):
     return xl.mean(axis=0), xl.var(axis=0)
 
 
-def batch_norm_np(x, scale, bias, mean, var, eps, axis=-1, silu=False):
+def batch_norm_np(x, scale, bias, mean, var, eps, axis=-1, act=None):
     xl = _channels_last(x, axis)
-    y = _affine_np((xl - mean) / np.sqrt(np.asarray(var, np.float64) + eps), scale, bias, silu)
+    y = _affine_np((xl - mean) / np.sqrt(np.asarray(var, np.float64) + eps), scale, bias, act)
     return np.moveaxis(y, -1, axis)
 
 
@@ -86,14 +86,30 @@ def test_group_norm_values(shape, axis, groups, dtype):
     assert_close(y, group_norm_np(x, groups, scale, bias, 1e-5, axis), dtype)
 
 
+@pytest.mark.parametrize("act", ["silu", "relu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("axis", [-1, 1])
-def test_group_norm_silu(dtype, axis):
+def test_group_norm_activation(dtype, axis, act):
     shape = (2, 16, 9, 24) if axis == 1 else (2, 9, 24, 16)
     x = rand(3, shape, dtype)
     scale, bias = params(4, shape[axis], dtype)
-    y = gn(x, 4, scale, bias, channel_axis=axis, activation="silu")
-    assert_close(y, group_norm_np(x, 4, scale, bias, 1e-5, axis, silu=True), dtype)
+    y = gn(x, 4, scale, bias, channel_axis=axis, activation=act)
+    assert_close(y, group_norm_np(x, 4, scale, bias, 1e-5, axis, act=act), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("shape,axis", [((8, 5, 5, 16), -1), ((8, 16, 5, 5), 1)], ids=str)
+def test_batch_norm_relu(shape, axis, dtype):
+    c = shape[axis]
+    x = rand(5, shape, dtype, offset=1.0)
+    scale, bias = params(6, c, jnp.float32)
+    rm, rv = jnp.zeros(c), jnp.ones(c)
+    y = bn_train(x, scale, bias, rm, rv, channel_axis=axis, activation="relu")[0]
+    mean, var = batch_stats_np(x, axis)
+    assert_close(y, batch_norm_np(x, scale, bias, mean, var, 1e-5, axis, act="relu"), dtype)
+    y = jaxnorm.batch_norm(x, scale, bias, rm, rv, training=False, channel_axis=axis,
+                           activation="relu")[0]
+    assert_close(y, batch_norm_np(x, scale, bias, rm, rv, 1e-5, axis, act="relu"), dtype)
 
 
 def test_a_group_larger_than_a_block():
@@ -157,32 +173,35 @@ def test_group_norm_of_empty_arrays(shape):
 # ---------------------------------------------------------- gradients
 
 
-def _gn_f64(x, scale, bias, groups, axis, silu):
+def _act_f64(y, act):
+    return {None: y, "silu": y * jax.nn.sigmoid(y), "relu": jax.nn.relu(y)}[act]
+
+
+def _gn_f64(x, scale, bias, groups, axis, act):
     xl = jnp.moveaxis(x, axis, -1)
     n, c = xl.shape[0], xl.shape[-1]
     xg = xl.reshape(n, -1, groups, c // groups)
     mean = xg.mean(axis=(1, 3), keepdims=True)
     var = ((xg - mean) ** 2).mean(axis=(1, 3), keepdims=True)
     y = ((xg - mean) / jnp.sqrt(var + 1e-5)).reshape(xl.shape) * scale + bias
-    y = y * jax.nn.sigmoid(y) if silu else y
-    return jnp.moveaxis(y, -1, axis)
+    return jnp.moveaxis(_act_f64(y, act), -1, axis)
 
 
-@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("act", [None, "silu", "relu"])
 @pytest.mark.parametrize("shape,axis,groups", [((2, 5, 6, 8), -1, 4), ((2, 6, 5, 3), 1, 3)],
                          ids=str)
-def test_group_norm_gradients_float64(shape, axis, groups, silu):
+def test_group_norm_gradients_float64(shape, axis, groups, act):
     x = rand(16, shape, jnp.float64, offset=0.3)
     scale, bias = params(17, shape[axis], jnp.float64)
-    act = "silu" if silu else None
 
     def f(x, s, b):
         return jaxnorm.group_norm(x, groups, s, b, channel_axis=axis, activation=act)
 
-    check_grads(f, (x, scale, bias), order=1, modes=["rev"])
+    if act != "relu":  # finite differences across ReLU's kink would be wrong
+        check_grads(f, (x, scale, bias), order=1, modes=["rev"])
     dy = rand(18, shape, jnp.float64)
     got = jax.vjp(f, x, scale, bias)[1](dy)
-    want = jax.vjp(lambda *a: _gn_f64(*a, groups, axis, silu), x, scale, bias)[1](dy)
+    want = jax.vjp(lambda *a: _gn_f64(*a, groups, axis, act), x, scale, bias)[1](dy)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
 
@@ -199,7 +218,7 @@ def test_group_norm_gradients_against_float64(dtype):
 
     got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
     f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
-    want = jax.vjp(lambda *a: _gn_f64(*a, groups, -1, True), *f64[:3])[1](f64[3])
+    want = jax.vjp(lambda *a: _gn_f64(*a, groups, -1, "silu"), *f64[:3])[1](f64[3])
     rtol, atol = TOLERANCE[np.dtype(dtype)]
     for g, w, scale_ in zip(got, want, (1, 20, 20)):  # parameter grads sum many rows
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=atol * scale_)
@@ -217,7 +236,7 @@ def test_gradients_of_a_float32_output_of_bf16_x():
     got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
     assert [g.dtype for g in got] == [jnp.bfloat16, jnp.float32, jnp.float32]
     f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
-    want = jax.vjp(lambda *a: _gn_f64(*a, 4, -1, False), *f64[:3])[1](f64[3])
+    want = jax.vjp(lambda *a: _gn_f64(*a, 4, -1, None), *f64[:3])[1](f64[3])
     for g, w, tol in zip(got, want, (3e-2, 1e-4, 1e-4)):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=tol, atol=tol)
 
@@ -357,32 +376,31 @@ def test_batch_norm_with_a_mask(axis):
                            mask=jnp.ones(shape))
 
 
-def _bn_f64(x, scale, bias, axis, silu, stats=None):
+def _bn_f64(x, scale, bias, axis, act, stats=None):
     xl = jnp.moveaxis(x, axis, -1)
     red = tuple(range(xl.ndim - 1))
     mean, var = (xl.mean(axis=red), xl.var(axis=red)) if stats is None else stats
     y = (xl - mean) / jnp.sqrt(var + 1e-5) * scale + bias
-    y = y * jax.nn.sigmoid(y) if silu else y
-    return jnp.moveaxis(y, -1, axis)
+    return jnp.moveaxis(_act_f64(y, act), -1, axis)
 
 
-@pytest.mark.parametrize("silu", [False, True])
+@pytest.mark.parametrize("act", [None, "silu", "relu"])
 @pytest.mark.parametrize("training", [True, False])
-def test_batch_norm_gradients_float64(training, silu):
+def test_batch_norm_gradients_float64(training, act):
     shape, axis = (6, 3, 4, 5), 1
     x = rand(37, shape, jnp.float64, offset=0.5)
     scale, bias = params(38, 3, jnp.float64)
     rm, rv = rand(39, (3,), jnp.float64), jnp.abs(rand(40, (3,), jnp.float64)) + 0.5
-    act = "silu" if silu else None
 
     def f(x, s, b):
         return jaxnorm.batch_norm(x, s, b, rm, rv, training=training, channel_axis=axis,
                                   activation=act)[0]
 
-    check_grads(f, (x, scale, bias), order=1, modes=["rev"])
+    if act != "relu":  # finite differences across ReLU's kink would be wrong
+        check_grads(f, (x, scale, bias), order=1, modes=["rev"])
     dy = rand(41, shape, jnp.float64)
     stats = None if training else (rm, rv)
-    want = jax.vjp(lambda *a: _bn_f64(*a, axis, silu, stats), x, scale, bias)[1](dy)
+    want = jax.vjp(lambda *a: _bn_f64(*a, axis, act, stats), x, scale, bias)[1](dy)
     got = jax.vjp(f, x, scale, bias)[1](dy)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
@@ -406,7 +424,7 @@ def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
             return jaxnorm.group_norm(x, groups, s, b)
 
         def f64(x, s, b):
-            return _gn_f64(x, s, b, groups, -1, False)
+            return _gn_f64(x, s, b, groups, -1, None)
     else:
         rm, rv = jnp.zeros(shape[-1]), jnp.ones(shape[-1])
 
@@ -414,7 +432,7 @@ def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
             return jaxnorm.batch_norm(x, s, b, rm, rv, training=True)[0]
 
         def f64(x, s, b):
-            return _bn_f64(x, s, b, -1, False)
+            return _bn_f64(x, s, b, -1, None)
 
     run = jax.jit(lambda x, s, b, dy: (f(x, s, b), *jax.vjp(f, x, s, b)[1](dy)))
     got = run(x, scale, bias, dy)
@@ -460,7 +478,10 @@ def test_batch_norm_running_statistics_are_state():
          r"scale must have shape \(8,\)"),
         (lambda x: jaxnorm.group_norm(x.astype(jnp.int32), 2), TypeError, "x must have dtype"),
         (lambda x: jaxnorm.group_norm(x[0, 0, 0], 2), ValueError, "batch axis and a channel"),
-        (lambda x: jaxnorm.group_norm(x, 2, activation="relu"), ValueError, "activation"),
+        (lambda x: jaxnorm.group_norm(x, 2, activation="gelu"), ValueError,
+         "activation must be None, 'silu' or 'relu', got 'gelu'"),
+        (lambda x: jaxnorm.batch_norm(x, None, None, None, None, training=True,
+                                      activation=jax.nn.relu), ValueError, "activation"),
         (lambda x: jaxnorm.group_norm(x, 2, epsilon=-1.0), ValueError, "epsilon"),
         (lambda x: jaxnorm.batch_norm(x, None, None, None, None, training=False), ValueError,
          "needs running_mean"),
@@ -506,6 +527,8 @@ def _ffi(target, outs, *args, **attrs):
         ("bwd_dx", r"dx has shape \(2, 3, 8, 7\), expected \(2, 3, 8, 1\)"),
         ("bwd_modes", "channel_norm_bwd returns"),
         ("bwd_var", r"var has shape \(2, 3\), expected \(2, 4\)"),
+        ("activation", r"activation must be 0 \(none\), 1 \(SiLU\) or 2 \(ReLU\), got 3"),
+        ("bwd_activation", "activation must be .* got -1"),
     ],
 )
 def test_channel_handlers_reject_inconsistent_buffers(case, match):
@@ -527,20 +550,22 @@ def test_channel_handlers_reject_inconsistent_buffers(case, match):
         "bwd_dx": dict(dx=sd((2, 3, 8, 7), f32)),
         "bwd_modes": dict(means=jnp.ones((2, 4, 2), f32), sums_out=sd((2, 4, 2), f32)),
         "bwd_var": dict(var=jnp.ones((2, 3), f32)),
+        "activation": dict(activation=np.int32(3)),
+        "bwd_activation": dict(activation=np.int32(-1)),
     }[case]
     bwd = case.startswith("bwd")
     args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
     args = {k: changes.get(k, v) for k, v in args.items()}
     outs = tuple(changes.get(k, v) for k, v in outs.items())
     attrs = dict(group_size=changes.get("group_size", np.int64(2)), epsilon=np.float64(1e-5),
-                 silu=np.bool_(False))
+                 activation=changes.get("activation", np.int32(0)))
     target = "channel_norm_bwd" if bwd else "channel_norm_fwd"
     with pytest.raises(Exception, match=match):
         jax.block_until_ready(jax.jit(lambda: _ffi(target, outs, *args.values(), **attrs))())
 
 
-@pytest.mark.parametrize("silu", [False, True])
-def test_reference_lowering_matches_the_kernels(silu):
+@pytest.mark.parametrize("activation", [0, 1, 2])  # none, SiLU, ReLU
+def test_reference_lowering_matches_the_kernels(activation):
     """The jax.numpy implementation that platforms without a kernel lower to
     gives the kernels' results in every mode of the two targets."""
     from jaxnorm import channel_norm as cn
@@ -549,7 +574,7 @@ def test_reference_lowering_matches_the_kernels(silu):
     scale, bias = params(51, 8, jnp.float64)
     dy = rand(52, x.shape, jnp.float64)
     e = jnp.zeros((0,), jnp.float64)
-    common = dict(group_size=2, epsilon=1e-5, silu=silu)
+    common = dict(group_size=2, epsilon=1e-5, activation=activation)
     impls = (cn.channel_norm_fwd_kernel_p.bind, cn._fwd_kernel_reference)
     fwd = [jax.jit(functools.partial(f, **common, out_dtype=jnp.float64, write_output=True))(
         x, scale, bias, e, e) for f in impls]

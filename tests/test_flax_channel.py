@@ -233,5 +233,37 @@ def test_group_norm_with_fused_silu():
     module = jaxnorm.nnx.GroupNorm(16, num_groups=4, activation="silu", rngs=nnx.Rngs(0))
     reference = nnx.GroupNorm(16, num_groups=4, rngs=nnx.Rngs(0))
     _close(module(x), jax.nn.silu(reference(x)), jnp.float32)
-    with pytest.raises(ValueError, match="activation must be None or 'silu'"):
+    with pytest.raises(ValueError, match="GroupNorm: activation must be None, 'silu' or 'relu'"):
         jaxnorm.nnx.GroupNorm(16, num_groups=4, activation="gelu", rngs=nnx.Rngs(0))
+
+
+def test_batch_norm_with_fused_relu():
+    """The one field beyond Flax's: relu(BatchNorm(x)) fused, in training
+    (with its batch_stats and gradients) and evaluation, also on the fallback
+    path (two feature axes)."""
+    x = rand(9, (8, 4, 4, 16), jnp.float32, offset=0.5)
+    theirs = nn.BatchNorm(use_running_average=False)
+    ours = jaxnorm.linen.BatchNorm(use_running_average=False, activation="relu")
+    variables = _randomize(theirs.init(jax.random.key(0), x), 90)
+
+    def loss(module, act, params, x):
+        y, upd = module.apply({**variables, "params": params}, x, mutable=["batch_stats"])
+        return jnp.sum(jnp.sin(act(y))), upd
+
+    grad = jax.grad(loss, argnums=(2, 3), has_aux=True)
+    want = grad(theirs, jax.nn.relu, variables["params"], x)
+    got = grad(ours, lambda y: y, variables["params"], x)
+    _close(got, want, jnp.float32, scale=10)
+    evaluating = {"use_running_average": True}
+    _close(ours.copy(**evaluating).apply(variables, x),
+           jax.nn.relu(theirs.copy(**evaluating).apply(variables, x)), jnp.float32)
+    two_axes = dict(axis=(-2, -1), use_running_average=True)
+    v2 = nn.BatchNorm(**two_axes).init(jax.random.key(1), x)
+    _close(jaxnorm.linen.BatchNorm(**two_axes, activation="relu").apply(v2, x),
+           jax.nn.relu(nn.BatchNorm(**two_axes).apply(v2, x)), jnp.float32)
+    module = jaxnorm.nnx.BatchNorm(16, activation="relu", rngs=nnx.Rngs(0))
+    reference = nnx.BatchNorm(16, rngs=nnx.Rngs(0))
+    _close(module(x), jax.nn.relu(reference(x)), jnp.float32)
+    _close(module.mean[...], reference.mean[...], jnp.float32)
+    with pytest.raises(ValueError, match="BatchNorm: activation must be None, 'silu' or 'relu'"):
+        jaxnorm.nnx.BatchNorm(16, activation="tanh", rngs=nnx.Rngs(0))

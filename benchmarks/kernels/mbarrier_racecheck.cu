@@ -10,6 +10,12 @@
 //   slots    each warp writes its slot and arrives on an mbarrier that one
 //            warp waits on before it reads every slot (no block barrier).
 //
+// In ring and slots a warp's lanes read, meet at __syncwarp, and its first
+// lane alone arrives on the barrier that releases the memory to its next
+// writer. ring_all and slots_all have every lane that read arrive itself
+// (counts of threads, not warps): the release then covers each reader's own
+// accesses, with no transitive step through __syncwarp.
+//
 // Every variant checks its sums exactly (small integers) and prints them; a
 // hazard report on a variant whose sums are right, run after run, is then the
 // tool's, not the kernel's.
@@ -17,7 +23,7 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
 //        benchmarks/kernels/mbarrier_racecheck.cu -o mbarrier_racecheck
-//   for v in bulk ring slots; do
+//   for v in bulk ring slots ring_all slots_all; do
 //     compute-sanitizer --tool racecheck ./mbarrier_racecheck $v
 //   done
 #include <cstdio>
@@ -51,12 +57,16 @@ __global__ void one_bulk_copy(const float* in, float* out) {
 }
 
 // Variant ring: kRows rows through two stages; thread 0 copies, every warp
-// sums every row and arrives on the stage's `empty` when done reading it.
+// sums every row and arrives on the stage's `empty` when done reading it
+// (its first lane, or with kAllLanes every lane).
+template <bool kAllLanes>
 __global__ void two_stage_ring(const float* in, float* out) {
   __shared__ __align__(128) float stage[2][kRowFloats];
   __shared__ __align__(8) uint64_t full[2], empty[2];
   if (threadIdx.x == 0) {
-    for (int s = 0; s < 2; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kWarps);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&full[s], 1), mbar_init(&empty[s], kAllLanes ? kThreads : kWarps);
+    }
     fence_mbar_init();
   }
   __syncthreads();
@@ -76,23 +86,29 @@ __global__ void two_stage_ring(const float* in, float* out) {
     float v = 0;
     for (int c = threadIdx.x % 32; c < kRowFloats; c += 32) v += stage[s][c];
     for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) {
-      out[(blockIdx.x * kRows + r) * kWarps + threadIdx.x / 32] = v;
+    if (kAllLanes) {
       mbar_arrive(&empty[s]);
+    } else {
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
     }
+    if (threadIdx.x % 32 == 0) out[(blockIdx.x * kRows + r) * kWarps + threadIdx.x / 32] = v;
     if (threadIdx.x == 0 && r + 2 < kRows) copy(r + 2);
   }
 }
 
 // Variant slots: row after row, every warp writes its slot and arrives on
 // `summed`; warp 0 waits there, adds the slots and writes the total. A slot
-// is written again only after warp 0 arrived on `read` (two sets of slots).
+// is written again only after warp 0 arrived on `read` (its first lane, or
+// with kAllLanes every lane; two sets of slots).
+template <bool kAllLanes>
 __global__ void slots_through_mbarrier(float* out) {
   __shared__ float slots[2][kWarps];
   __shared__ __align__(8) uint64_t summed[2], read[2];
   if (threadIdx.x == 0) {
-    for (int s = 0; s < 2; ++s) mbar_init(&summed[s], kWarps), mbar_init(&read[s], 1);
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(&summed[s], kWarps), mbar_init(&read[s], kAllLanes ? 32 : 1);
+    }
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -107,11 +123,13 @@ __global__ void slots_through_mbarrier(float* out) {
       mbar_wait(&summed[s], uint32_t(r / 2) & 1);
       float total = 0;
       for (int w = 0; w < kWarps; ++w) total += slots[s][w];
-      __syncwarp();
-      if (lane == 0) {
-        out[blockIdx.x * kRows + r] = total;
+      if (kAllLanes) {
         mbar_arrive(&read[s]);
+      } else {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&read[s]);
       }
+      if (lane == 0) out[blockIdx.x * kRows + r] = total;
     }
   }
 }
@@ -136,15 +154,23 @@ int main(int argc, char** argv) {
     for (int b = 0; b < blocks; ++b) {
       for (int w = 0; w < kWarps; ++w) want.push_back(row_sum(size_t(b)));  // block b copies row b
     }
-  } else if (!std::strcmp(variant, "ring")) {
-    two_stage_ring<<<blocks, kThreads>>>(d_in, d_out);
+  } else if (!std::strcmp(variant, "ring") || !std::strcmp(variant, "ring_all")) {
+    if (std::strcmp(variant, "ring")) {
+      two_stage_ring<true><<<blocks, kThreads>>>(d_in, d_out);
+    } else {
+      two_stage_ring<false><<<blocks, kThreads>>>(d_in, d_out);
+    }
     for (int b = 0; b < blocks; ++b) {
       for (int r = 0; r < kRows; ++r) {
         for (int w = 0; w < kWarps; ++w) want.push_back(row_sum(size_t(b) * kRows + r));
       }
     }
-  } else if (!std::strcmp(variant, "slots")) {
-    slots_through_mbarrier<<<blocks, kThreads>>>(d_out);
+  } else if (!std::strcmp(variant, "slots") || !std::strcmp(variant, "slots_all")) {
+    if (std::strcmp(variant, "slots")) {
+      slots_through_mbarrier<true><<<blocks, kThreads>>>(d_out);
+    } else {
+      slots_through_mbarrier<false><<<blocks, kThreads>>>(d_out);
+    }
     for (int b = 0; b < blocks; ++b) {
       for (int r = 0; r < kRows; ++r) {
         float total = 0;
@@ -153,7 +179,8 @@ int main(int argc, char** argv) {
       }
     }
   } else {
-    std::fprintf(stderr, "variant must be bulk, ring or slots, got %s\n", variant);
+    std::fprintf(stderr, "variant must be bulk, ring, slots, ring_all or slots_all, got %s\n",
+                 variant);
     return 2;
   }
   CHECK(cudaGetLastError());

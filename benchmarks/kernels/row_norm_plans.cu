@@ -11,8 +11,8 @@
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
 // split over clusters of those many blocks a row. The warp-role backward
-// (row_norm_bwd_roles.cuh) is timed where it serves, as ro; built with
-// -DJAXNORM_BWD_ROLES the planned backward there is it (ro*).
+// (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
+// there); o is then bwd_regs' plan, unplanned.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -27,53 +27,10 @@
 
 #include "cuda/row_norm_block.cuh"
 #include "cuda/row_norm_bwd_roles.cuh"
-#include "cuda_check.h"
+#include "graph_timing.h"
 
 using namespace jaxnorm::cuda;
 using bf16 = __nv_bfloat16;
-
-__global__ void fill(bf16* p, int64_t n, uint32_t seed, float offset) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    uint32_t h = uint32_t(i) * 2654435761u ^ seed * 40503u;
-    h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-    p[i] = __float2bfloat16(offset + (h % 20001) / 10000.0f - 1.0f);
-  }
-}
-
-// Median over `reps` of the time per call of `calls` launches in a graph (µs).
-template <typename F>
-float time_us(cudaStream_t s, F launch, int calls = 20, int reps = 7) {
-  if (std::getenv("PROBE")) {  // a few plain launches each, for a profiler
-    for (int i = 0; i < 3; ++i) launch();
-    CHECK(cudaStreamSynchronize(s));
-    return 1.0f;
-  }
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < calls; ++i) launch();
-  CHECK(cudaStreamEndCapture(s, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t t0, t1;
-  CHECK(cudaEventCreate(&t0));
-  CHECK(cudaEventCreate(&t1));
-  std::vector<float> ms;
-  CHECK(cudaGraphLaunch(exec, s));
-  for (int r = 0; r < reps; ++r) {
-    CHECK(cudaEventRecord(t0, s));
-    CHECK(cudaGraphLaunch(exec, s));
-    CHECK(cudaEventRecord(t1, s));
-    CHECK(cudaEventSynchronize(t1));
-    float m;
-    CHECK(cudaEventElapsedTime(&m, t0, t1));
-    ms.push_back(m);
-  }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  return ms[ms.size() / 2] * 1e3f / calls;
-}
 
 __global__ void empty_kernel() {}
 
@@ -374,13 +331,8 @@ int main(int argc, char** argv) {
       own.mean = own.rstd = nullptr;
       own.epsilon = 1e-5;
       const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
-      const bool roles = roles_serve(own, info);
-#ifdef JAXNORM_BWD_ROLES
-      const bool roles_planned = roles;  // as the handlers of a trial build plan
-#else
-      const bool roles_planned = false;
-#endif
-      time_bwd(bwd_plan.parts > 1 ? "so*" : roles_planned ? " o" : " o*", bwd_plan.tpr,
+      const bool roles = roles_serve(own, info);  // then the handlers' plan
+      time_bwd(bwd_plan.parts > 1 ? "so*" : roles ? " o" : " o*", bwd_plan.tpr,
                bwd_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
       auto time_own = [&](const char* name, const RowPlan& q) {
@@ -401,8 +353,8 @@ int main(int argc, char** argv) {
       }
       // The backward in warp roles (row_norm_bwd_roles.cuh), where it serves.
       if (roles) {
-        time_bwd(roles_planned ? "ro*" : " ro", kRoleThreads, 1, roles_grid(own, info),
-                 size_t(kRoleStages) * 2 * H * 2, [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own)); });
+        time_bwd("ro*", kRoleThreads, 1, roles_grid(own, info), size_t(kRoleStages) * 2 * H * 2,
+                 [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own)); });
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
       // slice of the row each at 4 vectors a thread (o3, o6).

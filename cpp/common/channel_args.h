@@ -15,10 +15,10 @@
 //
 // The forward either computes the statistics (mean and biased variance,
 // written to mean_out and var_out; y [0] for the statistics alone) or, given
-// them, normalizes with them and writes none. With `silu` it returns
-// silu(xhat * scale + bias).
+// them, normalizes with them and writes none. It returns act(xhat * scale +
+// bias), `activation` an Activation (common/activation.h: none, SiLU, ReLU).
 // The backward's per-group terms are the means over the group of g and of
-// g * xhat, g = dy' * scale (dy' = dy through SiLU's derivative). It computes
+// g * xhat, g = dy' * scale (dy' = dy through act's derivative). It computes
 // them and dx, dscale, dbias (means [0], sums_out [0]); or only their sums
 // (sums_out) and dscale, dbias, with dx [0]; or, given the means (summed
 // across devices; zero for statistics taken as constants), dx, with dscale
@@ -33,6 +33,7 @@
 //   channel_softmax_bwd(y[M,C,B], dy[M,C,B]) -> dx[M,C,B]
 #pragma once
 
+#include "common/activation.h"
 #include "common/row_norm_args.h"
 
 namespace jaxnorm {
@@ -85,12 +86,21 @@ inline ffi::Error check_channel_params(const AnyBuffer& scale, const AnyBuffer& 
   return ffi::Error::Success();
 }
 
+inline ffi::Error check_activation(int32_t activation) {
+  if (valid_activation(activation)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      "jaxnorm: activation must be 0 (none), 1 (SiLU) or 2 (ReLU), got " +
+      std::to_string(activation));
+}
+
 inline ffi::Error check_channel_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
                                          const AnyBuffer& bias, const AnyBuffer& mean,
                                          const AnyBuffer& var, const AnyBuffer& y,
                                          const AnyBuffer& mean_out, const AnyBuffer& var_out,
                                          int64_t group_size, double epsilon,
-                                         ChannelNormShape* s, bool* given, bool* write_y) {
+                                         int32_t activation, ChannelNormShape* s, bool* given,
+                                         bool* write_y) {
+  JAXNORM_RETURN_IF_ERROR(check_activation(activation));
   JAXNORM_RETURN_IF_ERROR(check_channel_x(x, group_size, s));
   JAXNORM_RETURN_IF_ERROR(check_channel_params(scale, bias, s));
   const DataType st = stats_dtype(x.element_type());
@@ -125,8 +135,10 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
                                          const AnyBuffer& means, const AnyBuffer& dx,
                                          const AnyBuffer& dscale, const AnyBuffer& dbias,
                                          const AnyBuffer& sums_out, int64_t group_size,
-                                         double epsilon, ChannelNormShape* s,
-                                         ChannelBwdMode* mode, bool* param_grads) {
+                                         double epsilon, int32_t activation,
+                                         ChannelNormShape* s, ChannelBwdMode* mode,
+                                         bool* param_grads) {
+  JAXNORM_RETURN_IF_ERROR(check_activation(activation));
   JAXNORM_RETURN_IF_ERROR(check_channel_x(x, group_size, s));
   JAXNORM_RETURN_IF_ERROR(check_channel_params(scale, bias, s));
   const DataType st = stats_dtype(x.element_type());
@@ -205,7 +217,7 @@ auto bind_channel_norm_fwd(B binding) {
       .template Ret<AnyBuffer>()                        // var_out
       .template Attr<int64_t>("group_size")
       .template Attr<double>("epsilon")
-      .template Attr<bool>("silu");
+      .template Attr<int32_t>("activation");
 }
 
 template <typename B>
@@ -223,7 +235,7 @@ auto bind_channel_norm_bwd(B binding) {
       .template Ret<AnyBuffer>()                        // sums_out
       .template Attr<int64_t>("group_size")
       .template Attr<double>("epsilon")
-      .template Attr<bool>("silu");
+      .template Attr<int32_t>("activation");
 }
 
 // Local response normalization's window: `size` channels, size / 2 before

@@ -76,18 +76,6 @@ struct Affine {
   }
 };
 
-template <typename A>
-A sigmoid(A z) {
-  return A(1) / (A(1) + std::exp(-z));
-}
-
-// d silu(z) / dz.
-template <typename A>
-A silu_grad(A z) {
-  const A s = sigmoid(z);
-  return s * (A(1) + z * (A(1) - s));
-}
-
 // Each group's mean and biased variance over sample n, into the (N, G) outputs.
 template <typename X, typename A>
 void group_stats(const ChannelNormShape& s, int64_t n, const X* x, A* mean, A* var) {
@@ -111,7 +99,8 @@ void group_stats(const ChannelNormShape& s, int64_t n, const X* x, A* mean, A* v
 }
 
 template <typename X, typename Y, typename W>
-void fwd(const ChannelNormShape& s, double eps, bool silu, bool given, bool write_y, const X* x,
+void fwd(const ChannelNormShape& s, double eps, Activation act, bool given, bool write_y,
+         const X* x,
          const W* scale, const W* bias, const void* mean_in, const void* var_in, Y* y,
          void* mean_out, void* var_out) {
   using A = acc_t<X>;
@@ -124,16 +113,16 @@ void fwd(const ChannelNormShape& s, double eps, bool silu, bool given, bool writ
     p.set_stats(s, n, mean, var, eps);
     each_element(s, n, [&](int64_t i, int64_t c) {
       const A z = (load<A>(x, i) - p.mean[c]) * p.rstd[c] * p.w[c] + p.b[c];
-      store(y, i, silu ? z * sigmoid(z) : z);
+      store(y, i, activate(act, z));
     });
   }
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy' * scale, the
 // means over each group of a sample; dscale = sum dy' * xhat, dbias = sum dy'
-// over all but the channels. dy' is dy through SiLU's derivative with `silu`.
+// over all but the channels. dy' is dy through the activation's derivative.
 template <typename X, typename G, typename W>
-void bwd(const ChannelNormShape& s, double eps, bool silu, ChannelBwdMode mode,
+void bwd(const ChannelNormShape& s, double eps, Activation act, ChannelBwdMode mode,
          bool param_grads, const X* x, const W* scale, const W* bias, const void* mean_in,
          const void* var_in, const G* dy, const void* means_in, X* dx, W* dscale, W* dbias,
          void* sums_out) {
@@ -144,7 +133,7 @@ void bwd(const ChannelNormShape& s, double eps, bool silu, ChannelBwdMode mode,
   auto xhat = [&](int64_t i, int64_t c) { return (load<A>(x, i) - p.mean[c]) * p.rstd[c]; };
   auto grad = [&](int64_t i, int64_t c, A xh) {
     const A d = load<A>(dy, i);
-    return silu ? d * silu_grad(xh * p.w[c] + p.b[c]) : d;
+    return act == Activation::kNone ? d : activation_backward(act, d, xh * p.w[c] + p.b[c]);
   };
   const double count = double(s.count());
   const bool sums_pass = mode != ChannelBwdMode::kDx || param_grads;
@@ -206,12 +195,12 @@ DataType channel_param_dtype(const AnyBuffer& x, const AnyBuffer& scale, const A
 ffi::Error channel_norm_fwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias, AnyBuffer mean,
                                  AnyBuffer var, ffi::Result<AnyBuffer> y,
                                  ffi::Result<AnyBuffer> mean_out, ffi::Result<AnyBuffer> var_out,
-                                 int64_t group_size, double epsilon, bool silu) {
+                                 int64_t group_size, double epsilon, int32_t activation) {
   ChannelNormShape s;
   bool given = false, write_y = true;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_fwd(x, scale, bias, mean, var, *y, *mean_out,
-                                                 *var_out, group_size, epsilon, &s, &given,
-                                                 &write_y));
+                                                 *var_out, group_size, epsilon, activation, &s,
+                                                 &given, &write_y));
   const DataType ydt = write_y ? y->element_type() : x.element_type();
   return dispatch_row_types(
       x.element_type(), ydt, channel_param_dtype(x, scale, bias, s),
@@ -219,7 +208,8 @@ ffi::Error channel_norm_fwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias, A
         using X = native_t<decltype(xt)>;
         using Y = native_t<decltype(yt)>;
         using W = native_t<decltype(wt)>;
-        fwd<X, Y, W>(s, epsilon, silu, given, write_y, static_cast<const X*>(x.untyped_data()),
+        fwd<X, Y, W>(s, epsilon, Activation(activation), given, write_y,
+                     static_cast<const X*>(x.untyped_data()),
                      static_cast<const W*>(scale.untyped_data()),
                      static_cast<const W*>(bias.untyped_data()), mean.untyped_data(),
                      var.untyped_data(), static_cast<Y*>(y->untyped_data()),
@@ -232,20 +222,20 @@ ffi::Error channel_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias, A
                                  AnyBuffer var, AnyBuffer dy, AnyBuffer means,
                                  ffi::Result<AnyBuffer> dx, ffi::Result<AnyBuffer> dscale,
                                  ffi::Result<AnyBuffer> dbias, ffi::Result<AnyBuffer> sums_out,
-                                 int64_t group_size, double epsilon, bool silu) {
+                                 int64_t group_size, double epsilon, int32_t activation) {
   ChannelNormShape s;
   ChannelBwdMode mode;
   bool param_grads = false;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_bwd(x, scale, bias, mean, var, dy, means, *dx,
                                                  *dscale, *dbias, *sums_out, group_size,
-                                                 epsilon, &s, &mode, &param_grads));
+                                                 epsilon, activation, &s, &mode, &param_grads));
   return dispatch_row_types(
       x.element_type(), dy.element_type(), channel_param_dtype(x, scale, bias, s),
       [&](auto xt, auto gt, auto wt) {
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        bwd<X, G, W>(s, epsilon, silu, mode, param_grads,
+        bwd<X, G, W>(s, epsilon, Activation(activation), mode, param_grads,
                      static_cast<const X*>(x.untyped_data()),
                      static_cast<const W*>(scale.untyped_data()),
                      static_cast<const W*>(bias.untyped_data()), mean.untyped_data(),

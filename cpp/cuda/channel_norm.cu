@@ -9,41 +9,6 @@
 namespace jaxnorm::cuda {
 namespace {
 
-// The tiling of x (N, A, C) with V channels a thread for a pass of `kernel`.
-// A block covers at most 32 vectors of a row, split evenly, so that it takes
-// at least 8 rows at a time. The tiles make one wave of blocks, as many as
-// fit on the GPU at once (or one a (n, slab) where there are more), held for
-// the reducing passes to a sixteenth of x's bytes of per-tile results
-// (`result_bytes` a channel and tile; 0 for the elementwise passes).
-template <typename K>
-Tiles plan_tiles(const ChannelNormShape& s, int vec, size_t x_bytes, size_t result_bytes,
-                 const DeviceInfo& dev, K kernel) {
-  Tiles t;
-  t.n = s.n, t.rows = s.a, t.c = s.c, t.vec = vec;
-  t.lanes = s.c / vec;
-  t.slabs = (t.lanes + 31) / 32;
-  t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
-  t.row_sets = kChannelThreads / t.lanes_per_block;
-  const int per_sm = per_launch_shape(dev, kernel, kChannelThreads, 0, 1, [&] {
-    int blocks = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kChannelThreads, 0);
-    cudaGetLastError();
-    return blocks > 0 ? blocks : 1;
-  });
-  const int64_t wave = int64_t(per_sm) * dev.sms;
-  int64_t tiles = wave / (t.n * t.slabs);
-  const int64_t most = (t.rows + t.row_sets - 1) / t.row_sets;  // tiles of a block's rows
-  tiles = tiles > most ? most : tiles;
-  if (result_bytes > 0) {
-    const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
-    tiles = tiles > by_bytes ? by_bytes : tiles;
-  }
-  tiles = tiles < 1 ? 1 : tiles;
-  t.tile_rows = (t.rows + tiles - 1) / tiles;
-  t.tiles = (t.rows + t.tile_rows - 1) / t.tile_rows;
-  return t;
-}
-
 // Groups a group_stats / group_sums block covers: whole groups, about as many
 // channels as give each of twice the SMs' blocks a share, at most
 // kGroupsPerBlock (the merges of one channel's tiles spread over the
@@ -112,11 +77,11 @@ ffi::Error layout_error(const ChannelNormShape& s) {
 
 template <typename X, typename Y, typename W, int V>
 ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
-                      const ChannelNormShape& s, double epsilon, bool silu, bool given,
+                      const ChannelNormShape& s, double epsilon, Activation act, bool given,
                       bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
                       acc_t<X>* var, Y* y) {
   using A = acc_t<X>;
-  const Tiles t = plan_tiles(s, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
+  const Tiles t = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
   A *partial = nullptr, *chan = nullptr, *coef = nullptr;
   if (!given) {
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
@@ -128,8 +93,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   group_stats<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
       partial, chan, p, t, s.group_size, per, epsilon, given, mean, var, coef);
   if (write_y) {
-    const Tiles ty = plan_tiles(s, V, sizeof(X), 0, dev, apply_affine<X, Y, V>);
-    apply_affine<X, Y, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(x, coef, silu, ty, y);
+    const Tiles ty = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 0, dev, apply_affine<X, Y, V>);
+    apply_affine<X, Y, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(x, coef, act, ty, y);
   }
   return last_launch_error("channel_norm_fwd");
 }
@@ -139,12 +104,12 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
                                  AnyBuffer bias, AnyBuffer mean, AnyBuffer var,
                                  ffi::Result<AnyBuffer> y, ffi::Result<AnyBuffer> mean_out,
                                  ffi::Result<AnyBuffer> var_out, int64_t group_size,
-                                 double epsilon, bool silu) {
+                                 double epsilon, int32_t activation) {
   ChannelNormShape s;
   bool given = false, write_y = true;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_fwd(x, scale, bias, mean, var, *y, *mean_out,
-                                                 *var_out, group_size, epsilon, &s, &given,
-                                                 &write_y));
+                                                 *var_out, group_size, epsilon, activation, &s,
+                                                 &given, &write_y));
   if (s.b != 1) return layout_error(s);
   if (s.size() == 0) return zero_outputs(stream, {&mean_out, &var_out});
   const DeviceInfo& dev = device_info(device);
@@ -162,7 +127,7 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
     const void* y_p = write_y ? y->untyped_data() : nullptr;
     return with_channel_vec<X>(s.c, {x.untyped_data(), y_p}, [&](auto v) {
       return launch_fwd<X, Y, W, decltype(v)::value>(
-          stream, dev, scratch, s, epsilon, silu, given, write_y,
+          stream, dev, scratch, s, epsilon, Activation(activation), given, write_y,
           static_cast<const X*>(x.untyped_data()), p, static_cast<A*>(mean_p),
           static_cast<A*>(var_p), static_cast<Y*>(y->untyped_data()));
     });
@@ -171,13 +136,15 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
 
 template <typename X, typename G, typename W, int V>
 ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
-                      const ChannelNormShape& s, double epsilon, bool silu, ChannelBwdMode mode,
+                      const ChannelNormShape& s, double epsilon, Activation act,
+                      ChannelBwdMode mode,
                       bool params_out, const X* x, const G* dy, ChannelParams<W> p,
                       const acc_t<X>* mean, const acc_t<X>* var, const acc_t<X>* means, X* dx,
                       W* dscale, W* dbias, acc_t<X>* sums_out) {
   using A = acc_t<X>;
   const Tiles t =
-      plan_tiles(s, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev, tile_sums<X, G, W, V>);
+      plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev,
+                 tile_sums<X, G, W, V>);
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode != ChannelBwdMode::kSums;
   A *partial = nullptr, *chan = nullptr, *coef = nullptr;
@@ -185,7 +152,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 2, &partial));
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &chan));
     tile_sums<X, G, W, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
-        x, dy, p, mean, var, s.group_size, epsilon, silu, t, partial);
+        x, dy, p, mean, var, s.group_size, epsilon, act, t, partial);
   }
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out};
@@ -198,8 +165,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                         stream>>>(chan, s.n, s.c, dscale, dbias);
   }
   if (dx_out) {
-    const Tiles tx = plan_tiles(s, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, V>);
-    apply_dx<X, G, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, silu, tx, dx);
+    const Tiles tx =
+        plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, V>);
+    apply_dx<X, G, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, act, tx, dx);
   }
   return last_launch_error("channel_norm_bwd");
 }
@@ -210,13 +178,13 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
                                  AnyBuffer means, ffi::Result<AnyBuffer> dx,
                                  ffi::Result<AnyBuffer> dscale, ffi::Result<AnyBuffer> dbias,
                                  ffi::Result<AnyBuffer> sums_out, int64_t group_size,
-                                 double epsilon, bool silu) {
+                                 double epsilon, int32_t activation) {
   ChannelNormShape s;
   ChannelBwdMode mode;
   bool params_out = false;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_bwd(x, scale, bias, mean, var, dy, means, *dx,
                                                  *dscale, *dbias, *sums_out, group_size,
-                                                 epsilon, &s, &mode, &params_out));
+                                                 epsilon, activation, &s, &mode, &params_out));
   if (s.b != 1) return layout_error(s);
   if (s.size() == 0) return zero_outputs(stream, {&dscale, &dbias, &sums_out});
   const DeviceInfo& dev = device_info(device);
@@ -234,7 +202,7 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
     const void* dx_p = mode == ChannelBwdMode::kSums ? nullptr : dx->untyped_data();
     return with_channel_vec<X>(s.c, {x.untyped_data(), dy.untyped_data(), dx_p}, [&](auto v) {
       return launch_bwd<X, G, W, decltype(v)::value>(
-          stream, dev, scratch, s, epsilon, silu, mode, params_out,
+          stream, dev, scratch, s, epsilon, Activation(activation), mode, params_out,
           static_cast<const X*>(x.untyped_data()), static_cast<const G*>(dy.untyped_data()), p,
           static_cast<const A*>(mean.untyped_data()), static_cast<const A*>(var.untyped_data()),
           static_cast<const A*>(means.untyped_data()), static_cast<X*>(dx->untyped_data()), ds,

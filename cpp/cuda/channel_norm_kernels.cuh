@@ -21,9 +21,10 @@
 //   backward: tile_sums (sums of dy' and dy' xhat), group_sums (the per-group
 //             means of g = dy' scale and g xhat, and dx's per-channel terms),
 //             param_grads (dscale, dbias: the sums over n), apply_dx.
-// dy' is dy through SiLU's derivative with `silu`.
+// dy' is dy through the fused activation's derivative (common/activation.h).
 #pragma once
 
+#include "common/activation.h"
 #include "cuda/common.cuh"
 
 namespace jaxnorm::cuda {
@@ -43,6 +44,41 @@ struct Tiles {
   int64_t tile_rows = 0;           // rows a tile
   int64_t blocks() const { return n * slabs * tiles; }
 };
+
+// The tiling of x (N, A, C) = (n, rows, c) with V channels a thread for a
+// pass of `kernel`. A block covers at most 32 vectors of a row, split evenly, so that it takes
+// at least 8 rows at a time. The tiles make one wave of blocks, as many as
+// fit on the GPU at once (or one a (n, slab) where there are more), held for
+// the reducing passes to a sixteenth of x's bytes of per-tile results
+// (`result_bytes` a channel and tile; 0 for the elementwise passes).
+template <typename K>
+Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
+                 size_t result_bytes, const DeviceInfo& dev, K kernel) {
+  Tiles t;
+  t.n = n, t.rows = rows, t.c = c, t.vec = vec;
+  t.lanes = c / vec;
+  t.slabs = (t.lanes + 31) / 32;
+  t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
+  t.row_sets = kChannelThreads / t.lanes_per_block;
+  const int per_sm = per_launch_shape(dev, kernel, kChannelThreads, 0, 1, [&] {
+    int blocks = 0;
+    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kChannelThreads, 0);
+    cudaGetLastError();
+    return blocks > 0 ? blocks : 1;
+  });
+  const int64_t wave = int64_t(per_sm) * dev.sms;
+  int64_t tiles = wave / (t.n * t.slabs);
+  const int64_t most = (t.rows + t.row_sets - 1) / t.row_sets;  // tiles of a block's rows
+  tiles = tiles > most ? most : tiles;
+  if (result_bytes > 0) {
+    const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
+    tiles = tiles > by_bytes ? by_bytes : tiles;
+  }
+  tiles = tiles < 1 ? 1 : tiles;
+  t.tile_rows = (t.rows + tiles - 1) / tiles;
+  t.tiles = (t.rows + t.tile_rows - 1) / t.tile_rows;
+  return t;
+}
 
 // What one thread of a Tiles launch works on.
 struct TileThread {
@@ -73,7 +109,7 @@ struct TileThread {
   // costs 4 registers where converted it cost 8: the first build held its
   // loads converted and ran its backward passes at one block an SM (157
   // registers).
-  template <int V, int kR = kRowsInFlight, typename F, typename... T>
+  template <int V, int kR = kRowsInFlight, bool kLastUse = false, typename F, typename... T>
   __device__ void for_batches(const Tiles& t, F&& f, const T*... p) const {
     constexpr int K = sizeof...(T);
     static_assert(K == 1 || K == 2);
@@ -86,7 +122,7 @@ struct TileThread {
 #pragma unroll
       for (int u = 0; u < kR; ++u) {
         const int64_t row = r + u * t.row_sets;
-        if (row < row_end) load_rows(t, row, a[u], b[u], p...);
+        if (row < row_end) load_rows<kLastUse>(t, row, a[u], b[u], p...);
       }
       const int64_t left = (row_end - r + t.row_sets - 1) / t.row_sets;
       f(r, left < kR ? int(left) : kR, a, b);
@@ -94,9 +130,10 @@ struct TileThread {
   }
   // f(row, a, b) for each of the thread's rows, kRowsInFlight loaded at a
   // time (for_batches).
-  template <int V, typename F, typename... T>
+  template <int V, bool kLastUse = false, typename F, typename... T>
   __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
-    for_batches<V>(t, [&](int64_t r, int got, const auto& a, const auto& b) {
+    for_batches<V, kRowsInFlight, kLastUse>(t, [&](int64_t r, int got, const auto& a,
+                                                   const auto& b) {
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
         if (u < got) f(r + u * t.row_sets, a[u], b[u]);
@@ -105,15 +142,15 @@ struct TileThread {
   }
 
  private:
-  template <typename V0, typename V1, typename T0>
+  template <bool kLastUse, typename V0, typename V1, typename T0>
   __device__ void load_rows(const Tiles& t, int64_t row, V0& a, V1&, const T0* p0) const {
-    a.load(p0 + at(t, row));
+    a.template load<kLastUse>(p0 + at(t, row));
   }
-  template <typename V0, typename V1, typename T0, typename T1>
+  template <bool kLastUse, typename V0, typename V1, typename T0, typename T1>
   __device__ void load_rows(const Tiles& t, int64_t row, V0& a, V1& b, const T0* p0,
                             const T1* p1) const {
-    a.load(p0 + at(t, row));
-    b.load(p1 + at(t, row));
+    a.template load<kLastUse>(p0 + at(t, row));
+    b.template load<kLastUse>(p1 + at(t, row));
   }
 };
 
@@ -174,18 +211,6 @@ __device__ void tree_combine(A (&v)[E][K], int part, int parts, int stride, A* s
   }
 }
 
-template <typename A>
-__device__ __forceinline__ A sigmoid(A z) {
-  return A(1) / (A(1) + exp(-z));
-}
-
-// d silu(z) / dz.
-template <typename A>
-__device__ __forceinline__ A silu_grad(A z) {
-  const A s = sigmoid(z);
-  return s * (A(1) + z * (A(1) - s));
-}
-
 // The channel parameters, as read by the kernels (scale 1 and bias 0 where
 // absent).
 template <typename W>
@@ -198,53 +223,91 @@ struct ChannelParams {
   __device__ A b(int64_t c) const { return bias ? A(to_acc(bias[c])) : A(0); }
 };
 
+// One batch of `got` rows (all kR with kFull) merged into a thread's running
+// (mean, M2) of each channel, `count` rows before it: the sums of d and d^2,
+// d = v - mean its deviation from the running mean (the first row's value
+// for the first batch, so that a large mean never meets a square of itself),
+// then Chan's merge of the batch, whose mean is mean + sum d / got. Three
+// instructions an element and no selects in a full batch. (The batch's own
+// mean and M2 with a select a row took about 12 instructions an element,
+// notes v46/v47.)
+template <bool kFull, int kR, int V, typename Vec, typename A>
+__device__ __forceinline__ void add_batch(A (&m)[V][2], A count, const Vec (&v)[kR], int got) {
+  if (count == A(0)) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) m[e][0] = v[0].get(e);
+  }
+  const A g = kFull ? A(kR) : A(got);
+  const A w = g / (count + g), count_w = count * w, inv_g = A(1) / g;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    A s1 = 0, s2 = 0;
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      const A d = kFull || u < got ? v[u].get(e) - m[e][0] : A(0);
+      s1 += d;
+      s2 += d * d;
+    }
+    const A delta = s1 * inv_g;  // the batch's mean less the running one
+    m[e][1] += (s2 - s1 * delta) + delta * delta * count_w;
+    m[e][0] += delta * w;
+  }
+}
+
 // Per (n, tile, channel): count, mean and M2 of the tile's rows, into
-// partial[((n * tiles + tile) * C + c) * 3 + k]. A thread takes its rows a
-// batch at a time (6 rows of 16-bit x, else 4): the batch's own mean and M2,
-// then Chan's merge, one division a batch where Welford's update takes one a
-// row.
-template <typename X, int V>
-__global__ void __launch_bounds__(kChannelThreads, 3) tile_stats(const X* x, Tiles t,
-                                                                 acc_t<X>* partial) {
+// partial[((n * tiles + tile) * C + c) * 3 + k]. A thread takes its rows kR
+// at a time (add_batch), its last (fewer than kR) as one batch too, all of a
+// batch's loads in flight at once (a row at a time, each of the last few
+// took a round trip with nothing else in flight). kR and the blocks an SM
+// are benchmarks/kernels/channel_plans.cu's to compare: for bf16 on an H100,
+// 8 rows at 2 blocks an SM ran 1-8% faster than 4 or 6 rows at 3 or 4
+// blocks; the next batch's loads issued before the current one is added up
+// gained nothing more. After other kernels' writes the pass runs at the
+// copy rate, reading x while L2 writes theirs back (notes v48).
+template <typename X, int V, int kR = (sizeof(X) == 2 ? 8 : 4),
+          int kMinBlocks = (sizeof(X) == 2 ? 2 : 3)>
+__global__ void __launch_bounds__(kChannelThreads, kMinBlocks) tile_stats(const X* x, Tiles t,
+                                                                          acc_t<X>* partial) {
   using A = acc_t<X>;
-  constexpr int kR = sizeof(X) == 2 ? 6 : 4;
+  using Vec = RegVec<X, V>;
   __shared__ A shared[kChannelThreads * V * 3];
   const TileThread me(t);
-  A m[V][3];  // count, mean, M2 of each channel
+  A m[V][2];  // mean, M2 of each channel
 #pragma unroll
-  for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = m[e][2] = A(0);
+  for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = A(0);
+  A count = 0;
   if (me.active) {
-    A count = 0;
-    me.for_batches<V, kR>(t, [&](int64_t, int got, const auto& v, const auto&) {
-      const A n_b = A(got), inv_b = got == kR ? A(1) / A(kR) : A(1) / n_b;
-      const A w = n_b / (count + n_b);
+    const int64_t step = int64_t(t.row_sets) * t.c;  // elements between a thread's rows
+    const int64_t first = me.row_begin + me.set;
+    int64_t left = first < me.row_end ? (me.row_end - first + t.row_sets - 1) / t.row_sets : 0;
+    const X* p = x + me.at(t, first);
+    auto load = [&](Vec(&v)[kR], const X* q, int got) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        A sum = 0;
-#pragma unroll
-        for (int u = 0; u < kR; ++u) sum += u < got ? v[u].get(e) : A(0);
-        const A mean_b = sum * inv_b;
-        A m2_b = 0;
-#pragma unroll
-        for (int u = 0; u < kR; ++u) {
-          const A d = v[u].get(e) - mean_b;
-          m2_b += u < got ? d * d : A(0);
-        }
-        const A delta = mean_b - m[e][1];
-        m[e][1] += delta * w;
-        m[e][2] += m2_b + delta * delta * count * w;
+      for (int u = 0; u < kR; ++u) {
+        if (u < got) v[u].load(q + u * step);
       }
-      count += n_b;
-    }, x);
-#pragma unroll
-    for (int e = 0; e < V; ++e) m[e][0] = count;
+    };
+    Vec a[kR];
+    for (; left >= kR; left -= kR, p += kR * step) {
+      load(a, p, kR);
+      add_batch<true, kR>(m, count, a, kR);
+      count += A(kR);
+    }
+    if (left > 0) {
+      load(a, p, int(left));
+      add_batch<false, kR>(m, count, a, int(left));
+      count += A(left);
+    }
   }
-  tree_combine<V, 3>(m, me.active ? me.set : -1, t.row_sets, t.lanes_per_block, shared);
+  A out[V][3];
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e][0] = count, out[e][1] = m[e][0], out[e][2] = m[e][1];
+  tree_combine<V, 3>(out, me.active ? me.set : -1, t.row_sets, t.lanes_per_block, shared);
   if (!me.active || me.set != 0) return;
   A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + me.lane * V) * 3;
 #pragma unroll
   for (int e = 0; e < V; ++e) {
-    dst[3 * e] = m[e][0], dst[3 * e + 1] = m[e][1], dst[3 * e + 2] = m[e][2];
+    dst[3 * e] = out[e][0], dst[3 * e + 1] = out[e][1], dst[3 * e + 2] = out[e][2];
   }
 }
 
@@ -253,7 +316,7 @@ __global__ void __launch_bounds__(kChannelThreads, 3) tile_stats(const X* x, Til
 template <typename X, typename G, typename W, int V>
 __global__ void __launch_bounds__(kChannelThreads) tile_sums(
     const X* x, const G* dy, ChannelParams<W> p, const acc_t<X>* mean,
-    const acc_t<X>* var, int64_t group_size, double epsilon, bool silu, Tiles t,
+    const acc_t<X>* var, int64_t group_size, double epsilon, Activation act, Tiles t,
     acc_t<X>* partial) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * V * 2];
@@ -269,14 +332,16 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
       const int64_t c = me.lane * V + e, g = me.n * groups + c / group_size;
       mu[e] = mean[g];
       rstd[e] = rsqrt_acc(var[g] + A(epsilon));
-      w[e] = silu ? p.template w<A>(c) : A(0);
-      b[e] = silu ? p.template b<A>(c) : A(0);
+      w[e] = act != Activation::kNone ? p.template w<A>(c) : A(0);
+      b[e] = act != Activation::kNone ? p.template b<A>(c) : A(0);
     }
     me.for_rows<V>(t, [&](int64_t, const auto& xv, const auto& dyv) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const A xhat = (xv.get(e) - mu[e]) * rstd[e];
-        const A d = silu ? dyv.get(e) * silu_grad(xhat * w[e] + b[e]) : A(dyv.get(e));
+        const A d = act != Activation::kNone
+                        ? activation_backward(act, A(dyv.get(e)), xhat * w[e] + b[e])
+                        : A(dyv.get(e));
         sums[e][0] += d;
         sums[e][1] += d * xhat;
       }
@@ -409,9 +474,9 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
 }
 
 // y = act(x a + b), a and b per (n, channel).
-template <typename X, typename Y, int V>
+template <typename X, typename Y, int V, bool kEvictFirst = true>
 __global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, const acc_t<X>* coef,
-                                                                bool silu, Tiles t, Y* y) {
+                                                                Activation act, Tiles t, Y* y) {
   using A = acc_t<X>;
   const TileThread me(t);
   if (!me.active) return;
@@ -421,14 +486,15 @@ __global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, cons
     const int64_t at = (me.n * t.c + me.lane * V + e) * 2;
     a[e] = coef[at], b[e] = coef[at + 1];
   }
-  me.for_rows<V>(t, [&](int64_t r, const auto& v, const auto&) {
+  // x's last read and y: evict-first (load_global), so that neither pushes out
+  // of L2 the rows of x this pass has yet to read, which tile_stats left there.
+  me.for_rows<V, kEvictFirst>(t, [&](int64_t r, const auto& v, const auto&) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const A z = v.get(e) * a[e] + b[e];
-      out[e] = silu ? z * sigmoid(z) : z;
+      out[e] = activate(act, v.get(e) * a[e] + b[e]);
     }
-    store_vec<V>(y + me.at(t, r), out);
+    store_vec<V, kEvictFirst>(y + me.at(t, r), out);
   }, x);
 }
 
@@ -442,8 +508,8 @@ struct GroupSumsMode {
 // Backward, per (n, group): the tiles' sums merged per channel (into chan,
 // 2 a channel: sum dy', sum dy' xhat); the group's means of g = dy' scale
 // and g xhat (or, given, `means`); and dx's per-channel terms
-// coef[(n * C + c) * 5 + k] = (a, b, k_d, k_x, k_0): SiLU's input is x a + b,
-// dx = k_d dy' + k_x x + k_0.
+// coef[(n * C + c) * 5 + k] = (a, b, k_d, k_x, k_0): the activation's input
+// is x a + b, dx = k_d dy' + k_x x + k_0.
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, const acc_t<X>* mean,
@@ -513,8 +579,8 @@ __global__ void __launch_bounds__(kChannelThreads) param_grads(const acc_t<X>* c
 // dx = k_d dy' + k_x x + k_0, the terms per (n, channel) (group_sums).
 template <typename X, typename G, int V>
 __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G* dy,
-                                                            const acc_t<X>* coef, bool silu,
-                                                            Tiles t, X* dx) {
+                                                            const acc_t<X>* coef,
+                                                            Activation act, Tiles t, X* dx) {
   using A = acc_t<X>;
   const TileThread me(t);
   if (!me.active) return;
@@ -523,18 +589,22 @@ __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G*
   for (int e = 0; e < V; ++e) {
 #pragma unroll
     for (int j = 0; j < 5; ++j) {
-      k[e][j] = j >= 2 || silu ? coef[(me.n * t.c + me.lane * V + e) * 5 + j] : A(0);
+      k[e][j] = j >= 2 || act != Activation::kNone
+                    ? coef[(me.n * t.c + me.lane * V + e) * 5 + j]
+                    : A(0);
     }
   }
-  me.for_rows<V>(t, [&](int64_t r, const auto& xv, const auto& dyv) {
+  // As apply_affine: the last reads of x and dy and dx's stores evict-first.
+  me.for_rows<V, true>(t, [&](int64_t r, const auto& xv, const auto& dyv) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const A xe = xv.get(e), g = dyv.get(e);
-      const A d = silu ? g * silu_grad(xe * k[e][0] + k[e][1]) : g;
+      const A d =
+          act != Activation::kNone ? activation_backward(act, g, xe * k[e][0] + k[e][1]) : g;
       out[e] = k[e][2] * d + k[e][3] * xe + k[e][4];
     }
-    store_vec<V>(dx + me.at(t, r), out);
+    store_vec<V, true>(dx + me.at(t, r), out);
   }, x, dy);
 }
 

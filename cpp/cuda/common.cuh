@@ -48,22 +48,31 @@ struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Packed {
   T v[N];
 };
 
+// A global access's last use of its data (kLastUse): loaded or stored with
+// .cs, evict-first in L1 and L2, so that it does not push out of L2 what a
+// later pass reads again (the channel norms' second pass over x, notes v47).
+template <bool kLastUse, typename V>
+__device__ __forceinline__ V load_global(const V* p) {
+  if constexpr (kLastUse) return __ldcs(p);
+  else return *p;
+}
+
 // Loads kWords 32-bit words as the widest native vector accesses (uint4,
 // uint2) that p's alignment (that of kWords words, up to 16 bytes) allows.
-template <int kWords>
+template <int kWords, bool kLastUse = false>
 __device__ __forceinline__ void load_words(uint32_t (&w)[kWords], const void* p) {
   if constexpr (kWords % 4 == 0) {
 #pragma unroll
     for (int k = 0; k < kWords / 4; ++k) {
-      const uint4 u = static_cast<const uint4*>(p)[k];
+      const uint4 u = load_global<kLastUse>(static_cast<const uint4*>(p) + k);
       w[4 * k] = u.x, w[4 * k + 1] = u.y, w[4 * k + 2] = u.z, w[4 * k + 3] = u.w;
     }
   } else if constexpr (kWords == 2) {
-    const uint2 u = *static_cast<const uint2*>(p);
+    const uint2 u = load_global<kLastUse>(static_cast<const uint2*>(p));
     w[0] = u.x, w[1] = u.y;
   } else {
     static_assert(kWords == 1);
-    w[0] = *static_cast<const uint32_t*>(p);
+    w[0] = load_global<kLastUse>(static_cast<const unsigned int*>(p));
   }
 }
 
@@ -74,20 +83,35 @@ __device__ __forceinline__ void load_words(uint32_t (&w)[kWords], const void* p)
 // on an H100 did not change: L2 merged the pieces). Volatile, so these stores
 // keep their order among themselves; the kernels never read back what they
 // store this way.
-template <int kWords>
+template <int kWords, bool kLastUse = false>
 __device__ __forceinline__ void store_global_words(void* ptr, const uint32_t (&w)[kWords]) {
   auto* p = reinterpret_cast<void*>(__cvta_generic_to_global(ptr));
   if constexpr (kWords % 4 == 0) {
 #pragma unroll
     for (int k = 0; k < kWords / 4; ++k) {
-      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(static_cast<uint4*>(p) + k),
-                   "r"(w[4 * k]), "r"(w[4 * k + 1]), "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+      if constexpr (kLastUse) {
+        asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                     ::"l"(static_cast<uint4*>(p) + k), "r"(w[4 * k]), "r"(w[4 * k + 1]),
+                     "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+      } else {
+        asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                     ::"l"(static_cast<uint4*>(p) + k), "r"(w[4 * k]), "r"(w[4 * k + 1]),
+                     "r"(w[4 * k + 2]), "r"(w[4 * k + 3]));
+      }
     }
   } else if constexpr (kWords == 2) {
-    asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]));
+    if constexpr (kLastUse) {
+      asm volatile("st.global.cs.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]));
+    } else {
+      asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(w[0]), "r"(w[1]));
+    }
   } else {
     static_assert(kWords == 1);
-    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]));
+    if constexpr (kLastUse) {
+      asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]));
+    } else {
+      asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(w[0]));
+    }
   }
 }
 
@@ -100,8 +124,12 @@ struct RegVec {
   static constexpr int kWords = int(N * sizeof(T) / 4);
   uint32_t w[kWords];
 
-  __device__ __forceinline__ void load(const T* p) { load_words(w, p); }
-  __device__ __forceinline__ void store_global(T* p) const { store_global_words(p, w); }
+  template <bool kLastUse = false>
+  __device__ __forceinline__ void load(const T* p) { load_words<kWords, kLastUse>(w, p); }
+  template <bool kLastUse = false>
+  __device__ __forceinline__ void store_global(T* p) const {
+    store_global_words<kWords, kLastUse>(p, w);
+  }
   __device__ __forceinline__ void zero() {
 #pragma unroll
     for (int k = 0; k < kWords; ++k) w[k] = 0;  // +0.0 in every float format
@@ -259,10 +287,12 @@ struct CpAsyncStages {
 template <typename T, int N>
 struct RegVec<T, N, false> {
   T v[N];
+  template <bool kLastUse = false>  // no cache hint on 2-byte accesses
   __device__ __forceinline__ void load(const T* p) {
 #pragma unroll
     for (int k = 0; k < N; ++k) v[k] = p[k];
   }
+  template <bool kLastUse = false>
   __device__ __forceinline__ void store_global(T* p) const {
 #pragma unroll
     for (int k = 0; k < N; ++k) p[k] = v[k];
@@ -307,12 +337,12 @@ __device__ __forceinline__ void load_vec_early(A (&out)[N], const T* p) {
   unpack(out, r);
 }
 
-// Stores N values to global memory in T.
-template <int N, typename T, typename A>
+// Stores N values to global memory in T (kLastUse: load_global).
+template <int N, bool kLastUse = false, typename T, typename A>
 __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
   RegVec<T, N> r;
   r.pack(in);
-  r.store_global(p);
+  r.template store_global<kLastUse>(p);
 }
 
 // The first warp of the row that thread threadIdx.x works on, with `tpr`

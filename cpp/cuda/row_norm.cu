@@ -1,9 +1,9 @@
 // FFI handlers for the row norms on CUDA: argument checks, dtype dispatch and
 // the choice of a plan. The kernels that give a row a block of its own (the
 // forward wherever a row fits a block, the backward for few rows) are in
-// row_norm_block.cuh; the others in row_norm_kernels.cuh. A build with
-// JAXNORM_BWD_ROLES (a trial) also takes row_norm_bwd_roles.cuh's backward
-// for 16-bit rows of 4097-8192 elements that compute their statistics.
+// row_norm_block.cuh; the backward of 16-bit rows of 4097-8192 elements
+// that compute their statistics on sm_90 in row_norm_bwd_roles.cuh; the
+// others in row_norm_kernels.cuh.
 #include "common/row_norm_args.h"
 #include "cuda/row_norm_block.cuh"
 #include "cuda/row_norm_bwd_roles.cuh"
@@ -71,14 +71,12 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
       return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
     }
-#ifdef JAXNORM_BWD_ROLES  // a trial build (CMakeLists.txt)
     if constexpr (sizeof(X) == 2 && std::is_same_v<X, G>) {
       if (roles_serve(a, dev)) {
         JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, roles_partial_bytes(a, dev), a));
         return cuda_error(launch_bwd_roles<X, W>(stream, dev, a), "row_norm_bwd");
       }
     }
-#endif
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
   const bool plain = a.dres == nullptr && a.scale_offset == 0;

@@ -16,8 +16,7 @@
 // stage back to the copy (empty: both roles arrive when done reading it); no
 // warp waits on a block barrier.
 // LayerNorm 4096x8192 bf16 on an H200: 71 -> 57 us (benchmarks/NOTES.md, v43).
-// The handlers take it only in a build with JAXNORM_BWD_ROLES (a trial until
-// compute-sanitizer's racecheck is clean on it on a GPU).
+// The handlers take it wherever roles_serve() says it serves.
 #pragma once
 
 #include "cuda/row_norm_kernels.cuh"
@@ -58,7 +57,10 @@ struct RoleRing {
       for (int s = 0; s < kRoleStages; ++s) {
         mbar_init(&sh.full[s], 1);
         mbar_init(&sh.summed[s], kStatWarps);
-        mbar_init(&sh.empty[s], kRoleThreads / 32);
+        // Every thread arrives, not a lane a warp after __syncwarp: an arrive
+        // releases its own thread's reads, and racecheck reported the
+        // one-lane form (benchmarks/kernels/mbarrier_racecheck.cu).
+        mbar_init(&sh.empty[s], kRoleThreads);
       }
       fence_mbar_init();
     }
@@ -137,8 +139,7 @@ __device__ void sum_rows(const BwdArgs& a, const RoleRing& ring) {
       add_row_dots<kMode>(sums, g, xh);
     };
     ring.each_vec<X, kRoleStatNv, kRoleStatThreads>(s, t, sum_vec);
-    __syncwarp();
-    if (t % 32 == 0) mbar_arrive(&ring.sh.empty[s]);  // done reading the stage
+    mbar_arrive(&ring.sh.empty[s]);  // done reading the stage
     warp_sum(sums);
     if (t % 32 == 0) {
       // The stage's previous row's sums were read before its empty phase
@@ -197,8 +198,7 @@ __device__ void grad_rows(const BwdArgs& a, const RoleRing& ring) {
       store_vec(dxr + c * VEC, o);
     };
     ring.each_vec<X, kRoleGradNv, kRoleGradThreads>(s, t, grad_vec);
-    __syncwarp();
-    if (t % 32 == 0) mbar_arrive(&ring.sh.empty[s]);
+    mbar_arrive(&ring.sh.empty[s]);  // done reading the stage and the sums
     const int64_t next = row + int64_t(kRoleStages) * gridDim.x;
     if (t == 0 && next < a.rows) {
       mbar_wait(&ring.sh.empty[s], phase);
