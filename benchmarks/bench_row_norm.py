@@ -238,11 +238,16 @@ def _jax_call(op, impl, pass_, shape, dtype):
 
 
 def shapes_for(op, pass_, shapes):
-    if shapes is not None:
-        return shapes
+    """The op's shapes: its defaults, or those of `shapes` of a rank among
+    the defaults' (so one --shapes list serves row and channel ops)."""
     if op in CHANNEL_OPS or op in ALONG_SHAPES:
-        return large_shapes(op)
-    return LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
+        defaults = large_shapes(op)
+    else:
+        defaults = LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
+    if shapes is None:
+        return defaults
+    ranks = {len(s) for s in defaults}
+    return [s for s in shapes if len(s) in ranks]
 
 
 def measure(ops, shapes, dtype, peers):
@@ -366,7 +371,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default=None, help="e.g. 64x256,8x128 (default: the full set)")
+    ap.add_argument("--shapes", default=None,
+                    help="e.g. 64x256,16x64x64x320: each op takes those of its shapes' rank "
+                         "(default: the full set)")
     ap.add_argument("--ops", default=",".join(IMPLS))
     ap.add_argument("--no-peers", action="store_true", help="jaxnorm and XLA only")
     ap.add_argument("--update", action="store_true",
