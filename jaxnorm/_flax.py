@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import jax
 from flax.linen import dtypes
 
-from jaxnorm.channel_norm import ACTIVATIONS, batch_norm
+from jaxnorm.channel_norm import _activation, batch_norm
 from jaxnorm.channel_norm import _normalize as channel_normalize
 from jaxnorm.row_norm import add_rms_norm, layer_norm, rms_norm
 
@@ -159,9 +159,9 @@ def group_normalize(x, scale, bias, *, lead_ndim, num_groups, epsilon, dtype, ax
 
 
 def check_activation(module: str, activation):
-    if not isinstance(activation, str | None) or activation not in ACTIVATIONS:
-        raise ValueError(
-            f"{module}: activation must be None, 'silu' or 'relu', got {activation!r}")
+    """`activation`, once jaxnorm's ops take it (a ValueError naming `module`
+    if not)."""
+    _activation(module, activation)
     return activation
 
 
