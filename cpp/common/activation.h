@@ -17,7 +17,7 @@ namespace jaxnorm {
 // The values of the FFI attribute `activation` (jaxnorm/channel_norm.py).
 enum class Activation : int32_t { kNone = 0, kSilu = 1, kRelu = 2 };
 
-inline bool valid_activation(int32_t a) { return a >= 0 && a <= 2; }
+inline bool valid_activation(int32_t a) { return a >= 0 && a <= int32_t(Activation::kRelu); }
 
 template <typename A>
 JAXNORM_HOST_DEVICE inline A sigmoid(A z) {

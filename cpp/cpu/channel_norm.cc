@@ -100,9 +100,8 @@ void group_stats(const ChannelNormShape& s, int64_t n, const X* x, A* mean, A* v
 
 template <typename X, typename Y, typename W>
 void fwd(const ChannelNormShape& s, double eps, Activation act, bool given, bool write_y,
-         const X* x,
-         const W* scale, const W* bias, const void* mean_in, const void* var_in, Y* y,
-         void* mean_out, void* var_out) {
+         const X* x, const W* scale, const W* bias, const void* mean_in, const void* var_in,
+         Y* y, void* mean_out, void* var_out) {
   using A = acc_t<X>;
   Affine<A> p(s, scale, bias);
   const A* mean = static_cast<const A*>(given ? mean_in : mean_out);
@@ -133,7 +132,7 @@ void bwd(const ChannelNormShape& s, double eps, Activation act, ChannelBwdMode m
   auto xhat = [&](int64_t i, int64_t c) { return (load<A>(x, i) - p.mean[c]) * p.rstd[c]; };
   auto grad = [&](int64_t i, int64_t c, A xh) {
     const A d = load<A>(dy, i);
-    return act == Activation::kNone ? d : activation_backward(act, d, xh * p.w[c] + p.b[c]);
+    return activation_backward(act, d, xh * p.w[c] + p.b[c]);
   };
   const double count = double(s.count());
   const bool sums_pass = mode != ChannelBwdMode::kDx || param_grads;

@@ -137,10 +137,9 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
 template <typename X, typename G, typename W, int V>
 ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                       const ChannelNormShape& s, double epsilon, Activation act,
-                      ChannelBwdMode mode,
-                      bool params_out, const X* x, const G* dy, ChannelParams<W> p,
-                      const acc_t<X>* mean, const acc_t<X>* var, const acc_t<X>* means, X* dx,
-                      W* dscale, W* dbias, acc_t<X>* sums_out) {
+                      ChannelBwdMode mode, bool params_out, const X* x, const G* dy,
+                      ChannelParams<W> p, const acc_t<X>* mean, const acc_t<X>* var,
+                      const acc_t<X>* means, X* dx, W* dscale, W* dbias, acc_t<X>* sums_out) {
   using A = acc_t<X>;
   const Tiles t =
       plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev,

@@ -46,11 +46,12 @@ struct Tiles {
 };
 
 // The tiling of x (N, A, C) = (n, rows, c) with V channels a thread for a
-// pass of `kernel`. A block covers at most 32 vectors of a row, split evenly, so that it takes
-// at least 8 rows at a time. The tiles make one wave of blocks, as many as
-// fit on the GPU at once (or one a (n, slab) where there are more), held for
-// the reducing passes to a sixteenth of x's bytes of per-tile results
-// (`result_bytes` a channel and tile; 0 for the elementwise passes).
+// pass of `kernel`. A block covers at most 32 vectors of a row, split
+// evenly, so that it takes at least 8 rows at a time. The tiles make one wave
+// of blocks, as many as fit on the GPU at once (or one a (n, slab) where
+// there are more), held for the reducing passes to a sixteenth of x's bytes
+// of per-tile results (`result_bytes` a channel and tile; 0 for the
+// elementwise passes).
 template <typename K>
 Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
                  size_t result_bytes, const DeviceInfo& dev, K kernel) {

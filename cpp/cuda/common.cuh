@@ -337,7 +337,7 @@ __device__ __forceinline__ void load_vec_early(A (&out)[N], const T* p) {
   unpack(out, r);
 }
 
-// Stores N values to global memory in T (kLastUse: load_global).
+// Stores N values to global memory in T (kLastUse: evict-first, as load_global).
 template <int N, bool kLastUse = false, typename T, typename A>
 __device__ __forceinline__ void store_vec(T* p, const A (&in)[N]) {
   RegVec<T, N> r;
