@@ -313,6 +313,11 @@ PLAN_CASES = [
     # float16 with float32 parameters, about 8 rows a block through 3 stages.
     ((700, 5000), jnp.bfloat16, jnp.bfloat16),
     ((1000, 8192), jnp.float16, jnp.float32),
+    # Where DRAM feeds an SM under 30 GB/s (an H100), LayerNorm's backward of
+    # at least 24 rows an SM in clusters of 2 blocks (513 vectors: slices of
+    # 257 and 256) or 3 (1281 vectors), not one block an SM.
+    ((3200, 4104), jnp.bfloat16, jnp.float32),
+    ((3200, 10248), jnp.bfloat16, jnp.bfloat16),
 ]
 
 

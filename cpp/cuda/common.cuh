@@ -739,6 +739,7 @@ struct DeviceInfo {
   size_t smem_optin = 48 * 1024;
   size_t max_dynamic_smem = 44 * 1024;
   bool clusters = false;  // thread-block clusters (sm_90 and later)
+  double dram_gbps = 0;   // peak DRAM bandwidth (GB/s), 0 if unknown
 };
 
 // Above the most static shared memory of any kernel, so that every plan's
@@ -770,6 +771,11 @@ inline DeviceInfo query_device(int device) {
   }
   if (cudaDeviceGetAttribute(&v, cudaDevAttrClusterLaunch, device) == cudaSuccess) {
     d.clusters = v != 0;
+  }
+  int khz = 0, bits = 0;
+  if (cudaDeviceGetAttribute(&khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess) {
+    d.dram_gbps = 2.0 * khz * 1e3 * (bits / 8) / 1e9;  // double data rate
   }
   cudaGetLastError();  // a failed query leaves the defaults
   return d;

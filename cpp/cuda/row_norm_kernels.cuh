@@ -1339,6 +1339,43 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
   return p;
 }
 
+// Where DRAM feeds an SM less than kFastDramGbpsPerSm, LayerNorm's backward
+// that would take one block an SM, its accumulators in registers, runs over
+// a cluster of blocks a row instead: slices of at most kSplitSliceVecs
+// vectors, at least two, with at least kSplitMinRowsPerSm rows an SM. On an
+// H100 (3.35 TB/s peak, 25 GB/s an SM; bf16, computing the statistics;
+// benchmarks/NOTES.md, v52): 16384x4096 165 -> 153-157 us, 8192x10240 202
+// -> 187-189, 4096x12288 131 -> 117-118, 8192x12288 246-248 -> 223-230.
+// Not measured with faster memory (an H200: 36 GB/s an SM), which keeps
+// one block an SM.
+constexpr double kFastDramGbpsPerSm = 30;
+constexpr int kSplitMinRowsPerSm = 24;
+constexpr int64_t kSplitSliceVecs = 640;
+
+template <typename X, typename G, typename W, int VEC>
+RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
+                                 bool plain, const DeviceInfo& dev) {
+  const bool slow = dev.dram_gbps > 0 && dev.dram_gbps < kFastDramGbpsPerSm * dev.sms;
+  if (!slow || !dev.clusters || regions != 2 || sizeof(G) != sizeof(X) || p.parts != 1 ||
+      rows < int64_t(kSplitMinRowsPerSm) * dev.sms ||
+      !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
+    return p;
+  }
+  const int64_t nvec = hidden / VEC;
+  RowPlan q = p;
+  q.parts = int((nvec + kSplitSliceVecs - 1) / kSplitSliceVecs);
+  if (q.parts < 2) q.parts = 2;
+  q.rows_per_block = 1;
+  q.groups = rows;
+  q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
+  const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain);
+  if (q.parts > kMaxClusterParts || q.tpr < 64 || q.tpr > kAccRegsThreads ||
+      bwd_smem_bytes<X, G, W, VEC>(q, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
+    return p;
+  }
+  return q;
+}
+
 // Backward rows: the element-wise plan; else 4 vectors a thread (the ring
 // stages no more, and 8 held in registers spilled), with as many rows per
 // block as keep two blocks on an SM, or the long path when a row does not
@@ -1379,7 +1416,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
   if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
-  return p;
+  return split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
 }
 
 // Runs the backward with `a.partial` pointing at partial_bytes() of scratch.
