@@ -1345,9 +1345,11 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
 // vectors, at least two, with at least kSplitMinRowsPerSm rows an SM. On an
 // H100 (3.35 TB/s peak, 25 GB/s an SM; bf16, computing the statistics;
 // benchmarks/NOTES.md, v52): 16384x4096 165 -> 153-157 us, 8192x10240 202
-// -> 187-189, 4096x12288 131 -> 117-118, 8192x12288 246-248 -> 223-230.
-// Not measured with faster memory (an H200: 36 GB/s an SM), which keeps
-// one block an SM.
+// -> 187-189, 4096x12288 131 -> 117-118, 8192x12288 246-248 -> 223-230;
+// given the statistics, 7-10% faster at 10240-12288 wide. Not rows of
+// 513-1024 vectors: given the statistics the split lost 2-4% at 4096x8192,
+// and computing them the warp roles take these rows. Not measured with
+// faster memory (an H200: 36 GB/s an SM), which keeps one block an SM.
 constexpr double kFastDramGbpsPerSm = 30;
 constexpr int kSplitMinRowsPerSm = 24;
 constexpr int64_t kSplitSliceVecs = 640;
@@ -1362,6 +1364,7 @@ RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden,
     return p;
   }
   const int64_t nvec = hidden / VEC;
+  if (nvec > 512 && nvec <= 1024) return p;
   RowPlan q = p;
   q.parts = int((nvec + kSplitSliceVecs - 1) / kSplitSliceVecs);
   if (q.parts < 2) q.parts = 2;
