@@ -1345,7 +1345,7 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
 // vectors, at least two, with at least kSplitMinRowsPerSm rows an SM. On an
 // H100 (3.35 TB/s peak, 25 GB/s an SM; bf16, computing the statistics;
 // benchmarks/NOTES.md, v52): 16384x4096 165 -> 153-157 us, 8192x10240 202
-// -> 187-189, 4096x12288 131 -> 117-118, 8192x12288 246-248 -> 223-230;
+// -> 187-189, 4096x12288 131 -> 117-120, 8192x12288 246-248 -> 223-230;
 // given the statistics, 7-10% faster at 10240-12288 wide. Not rows of
 // 513-1024 vectors: given the statistics the split lost 2-4% at 4096x8192,
 // and computing them the warp roles take these rows. Not measured with
