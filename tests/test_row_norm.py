@@ -231,6 +231,12 @@ def check_grads64(op, x, scale, bias, dy, ndim=1, tol_scale=1.0):
             assert_close(got, want, arg.dtype, scale=float(np.sqrt(sums)) * 4 * tol_scale)
 
 
+def gpu_only(*cases):
+    """Parameter sets skipped unless the default backend is a GPU."""
+    mark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="sizes for a GPU plan")
+    return [pytest.param(*case, marks=mark) for case in cases]
+
+
 # Shapes that take each of the CUDA launch plans (row_norm_kernels.cuh,
 # row_norm_block.cuh) on a GPU with up to 132 SMs. Few rows (at most 528): a
 # forward compiled for the row length where it is 256, 512 or 1024 16-byte
@@ -313,13 +319,24 @@ PLAN_CASES = [
     # float16 with float32 parameters, about 8 rows a block through 3 stages.
     ((700, 5000), jnp.bfloat16, jnp.bfloat16),
     ((1000, 8192), jnp.float16, jnp.float32),
-    # Where DRAM feeds an SM under 30 GB/s (an H100), LayerNorm's backward of
-    # at least 24 rows an SM in clusters of 2 blocks (511 vectors: slices of
-    # 256 and 255) or 3 (1281 vectors), not one block an SM; 513 vectors
-    # keep one block an SM.
-    ((3200, 4088), jnp.bfloat16, jnp.float32),
-    ((3200, 4104), jnp.bfloat16, jnp.float32),
-    ((3200, 10248), jnp.bfloat16, jnp.bfloat16),
+    # Cases whose size only picks a GPU plan (the CPU kernels have one), run
+    # on GPUs alone. Where DRAM feeds an SM under 30 GB/s (an H100):
+    # LayerNorm's backward of at least 24 rows an SM in clusters of 2 blocks
+    # (511 vectors: slices of 256 and 255; 1025) or 3 (1281 vectors), not one
+    # block an SM; 513 vectors keep one block an SM. RMSNorm's of at least 30
+    # rows an SM in clusters of blocks of a warp (256, 384 and 512 vectors)
+    # or of 8 blocks (1025 vectors: slices of 129, the last 122; 1281); at
+    # 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
+    # above.
+    *gpu_only(
+        ((3200, 4088), jnp.bfloat16, jnp.float32),
+        ((3200, 4104), jnp.bfloat16, jnp.float32),
+        ((3200, 10248), jnp.bfloat16, jnp.bfloat16),
+        ((3968, 2048), jnp.float16, jnp.float32),
+        ((3968, 3072), jnp.bfloat16, jnp.float32),
+        ((3968, 4096), jnp.bfloat16, jnp.bfloat16),
+        ((3968, 8200), jnp.bfloat16, jnp.bfloat16),
+    ),
 ]
 
 

@@ -12,7 +12,8 @@
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
 // split over clusters of those many blocks a row. The warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
-// there); o is then bwd_regs' plan, unplanned.
+// there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
+// unplanned.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -351,10 +352,16 @@ int main(int argc, char** argv) {
           time_own(" o=", q);
         }
       }
-      // The backward in warp roles (row_norm_bwd_roles.cuh), where it serves.
+      // The backward in warp roles (row_norm_bwd_roles.cuh), where it serves:
+      // ro* with the planned stages, ro2 / ro3 with the other count.
       if (roles) {
-        time_bwd("ro*", kRoleThreads, 1, roles_grid(own, info), size_t(kRoleStages) * 2 * H * 2,
-                 [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own)); });
+        const int planned = roles_stages(H, info);
+        for (int stages : {planned, 5 - planned}) {
+          char name[16];
+          std::snprintf(name, sizeof name, stages == planned ? "ro*" : "ro%d", stages);
+          time_bwd(name, kRoleThreads, 1, roles_grid(own, info), size_t(stages) * 2 * H * 2,
+                   [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own, stages)); });
+        }
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
       // slice of the row each at 4 vectors a thread (o3, o6).
@@ -364,7 +371,7 @@ int main(int argc, char** argv) {
         q.rows_per_block = 1;
         q.groups = c.rows;
         q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
-        if (info.clusters && q.parts >= 2 && q.parts <= kMaxClusterParts && q.tpr > 32 &&
+        if (info.clusters && q.parts >= 2 && q.parts <= kMaxClusterParts && q.tpr >= 32 &&
             q.tpr <= kAccRegsThreads) {
           char name[16];
           std::snprintf(name, sizeof name, " o%d", q.parts);

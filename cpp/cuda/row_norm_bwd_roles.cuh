@@ -11,12 +11,13 @@
 // - the gradient warps finish row j (grad_rows: dx, and dscale/dbias held in
 //   their registers).
 // A row reaches shared memory with two bulk copies (TMA, one thread) into a
-// ring of kRoleStages stages. mbarriers hand each stage from the copy to the
+// ring of stages (roles_stages). mbarriers hand each stage from the copy to the
 // statistics warps (full), their sums to the gradient warps (summed), and the
 // stage back to the copy (empty: both roles arrive when done reading it); no
 // warp waits on a block barrier.
 // LayerNorm 4096x8192 bf16 on an H200: 71 -> 57 us (benchmarks/NOTES.md, v43).
-// The handlers take it wherever roles_serve() says it serves.
+// The handlers take it wherever roles_serve() says it serves, with
+// roles_stages() stages.
 #pragma once
 
 #include "cuda/row_norm_kernels.cuh"
@@ -28,18 +29,22 @@ constexpr int kRoleGradThreads = 256;  // gradient warps, 4 vectors a thread
 constexpr int kRoleThreads = kRoleStatThreads + kRoleGradThreads;
 constexpr int kRoleStatNv = 8, kRoleGradNv = 4;
 constexpr int kRoleMaxVecs = kRoleGradThreads * kRoleGradNv;  // 16-byte vectors a row
-// Three stages: two rows in flight while the statistics warps sum one. Four,
-// five and six were 2-5% slower (v43).
+// Three stages: two rows in flight while the statistics warps sum one; on an
+// H200 four, five and six were 2-5% slower at 8192 wide (v43). Where DRAM is
+// slow (an H100), a ring over kRoleRingBytes lost up to 10% to two stages
+// (v53).
 constexpr int kRoleStages = 3;
+constexpr size_t kRoleRingBytes = 80 * 1024;
 
 // The ring and its barriers. A block's row j (rows blockIdx.x + j * gridDim.x)
-// takes stage j % kRoleStages, in the (j / kRoleStages)-th phase of that
-// stage's barriers.
+// takes stage j % kStages, in the (j / kStages)-th phase of that stage's
+// barriers.
+template <int kStages>
 struct RoleRing {
   static constexpr int kStatWarps = kRoleStatThreads / 32;
   struct Shared {
-    Packed<float, 4> sums[kRoleStages][kStatWarps];
-    uint64_t full[kRoleStages], summed[kRoleStages], empty[kRoleStages];
+    Packed<float, 4> sums[kStages][kStatWarps];
+    uint64_t full[kStages], summed[kStages], empty[kStages];
   };
   Shared& sh;
   unsigned char* rows;  // [stage][x, dy][row_bytes]
@@ -54,7 +59,7 @@ struct RoleRing {
   }
   __device__ void init() const {
     if (threadIdx.x == 0) {
-      for (int s = 0; s < kRoleStages; ++s) {
+      for (int s = 0; s < kStages; ++s) {
         mbar_init(&sh.full[s], 1);
         mbar_init(&sh.summed[s], kStatWarps);
         // Every thread arrives, not a lane a warp after __syncwarp: an arrive
@@ -116,8 +121,8 @@ __device__ void load_scale(float (&w)[NV][8], const BwdArgs& a, int64_t nvec, in
 
 // The statistics warps: each row's sums (RowDots kOwnLn or kOwnRms), one
 // slot a warp.
-template <typename X, typename W, RowDots kMode>
-__device__ void sum_rows(const BwdArgs& a, const RoleRing& ring) {
+template <typename X, typename W, RowDots kMode, int kStages>
+__device__ void sum_rows(const BwdArgs& a, const RoleRing<kStages>& ring) {
   using A = float;
   constexpr int VEC = 8, K = row_dot_count(kMode);
   const int t = threadIdx.x;
@@ -125,9 +130,9 @@ __device__ void sum_rows(const BwdArgs& a, const RoleRing& ring) {
   load_scale<W>(w, a, ring.nvec, t, kRoleStatThreads);
   int64_t j = 0;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x, ++j) {
-    const int s = int(j % kRoleStages);
-    mbar_wait(&ring.sh.full[s], uint32_t(j / kRoleStages) & 1);
-    const A shift = kMode == RowDots::kOwnLn ? ring.shift<X>(s) : A(0);
+    const int s = int(j % kStages);
+    mbar_wait(&ring.sh.full[s], uint32_t(j / kStages) & 1);
+    const A shift = kMode == RowDots::kOwnLn ? ring.template shift<X>(s) : A(0);
     A sums[K] = {};
     auto sum_vec = [&](int i, int64_t, auto& xv, auto& dv) {
       A xh[VEC], g[VEC];
@@ -138,14 +143,14 @@ __device__ void sum_rows(const BwdArgs& a, const RoleRing& ring) {
       }
       add_row_dots<kMode>(sums, g, xh);
     };
-    ring.each_vec<X, kRoleStatNv, kRoleStatThreads>(s, t, sum_vec);
+    ring.template each_vec<X, kRoleStatNv, kRoleStatThreads>(s, t, sum_vec);
     mbar_arrive(&ring.sh.empty[s]);  // done reading the stage
     warp_sum(sums);
     if (t % 32 == 0) {
       // The stage's previous row's sums were read before its empty phase
       // completed (it has, or this row's copy would not have been issued):
       // waiting on it is immediate, and tells compute-sanitizer's racecheck.
-      if (j >= kRoleStages) mbar_wait(&ring.sh.empty[s], uint32_t(j / kRoleStages - 1) & 1);
+      if (j >= kStages) mbar_wait(&ring.sh.empty[s], uint32_t(j / kStages - 1) & 1);
       Packed<A, 4> p{};
 #pragma unroll
       for (int k = 0; k < K; ++k) p.v[k] = sums[k];
@@ -158,8 +163,8 @@ __device__ void sum_rows(const BwdArgs& a, const RoleRing& ring) {
 // The gradient warps: dx of each row from its sums, dscale/dbias accumulated
 // in registers and written as the block's partial rows. Their first thread
 // also refills the ring.
-template <typename X, typename W, RowDots kMode>
-__device__ void grad_rows(const BwdArgs& a, const RoleRing& ring) {
+template <typename X, typename W, RowDots kMode, int kStages>
+__device__ void grad_rows(const BwdArgs& a, const RoleRing<kStages>& ring) {
   using A = float;
   constexpr int VEC = 8;
   constexpr bool kCentered = kMode == RowDots::kOwnLn;
@@ -169,17 +174,17 @@ __device__ void grad_rows(const BwdArgs& a, const RoleRing& ring) {
   const A inv_n = A(1) / A(a.hidden);
   int64_t j = 0;
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x, ++j) {
-    const int s = int(j % kRoleStages);
-    const uint32_t phase = uint32_t(j / kRoleStages) & 1;
+    const int s = int(j % kStages);
+    const uint32_t phase = uint32_t(j / kStages) & 1;
     mbar_wait(&ring.sh.summed[s], phase);
     A sums[row_dot_count(kMode)] = {};
 #pragma unroll
-    for (int k = 0; k < RoleRing::kStatWarps; ++k) {
+    for (int k = 0; k < RoleRing<kStages>::kStatWarps; ++k) {
       const Packed<A, 4> p = ring.sh.sums[s][k];
 #pragma unroll
       for (int m = 0; m < row_dot_count(kMode); ++m) sums[m] += p.v[m];
     }
-    A mean = kCentered ? ring.shift<X>(s) : A(0), rstd = 1, c_gx, c_g;
+    A mean = kCentered ? ring.template shift<X>(s) : A(0), rstd = 1, c_gx, c_g;
     row_dx_terms<kMode>(sums, kCentered, A(a.epsilon), inv_n, mean, rstd, c_gx, c_g);
     // xhat_of's and dx_of's short forms: xhat = x rstd - mean rstd, dx =
     // rstd g + (xhat * -rstd c_gx - rstd c_g).
@@ -197,13 +202,13 @@ __device__ void grad_rows(const BwdArgs& a, const RoleRing& ring) {
       }
       store_vec(dxr + c * VEC, o);
     };
-    ring.each_vec<X, kRoleGradNv, kRoleGradThreads>(s, t, grad_vec);
+    ring.template each_vec<X, kRoleGradNv, kRoleGradThreads>(s, t, grad_vec);
     mbar_arrive(&ring.sh.empty[s]);  // done reading the stage and the sums
-    const int64_t next = row + int64_t(kRoleStages) * gridDim.x;
+    const int64_t next = row + int64_t(kStages) * gridDim.x;
     if (t == 0 && next < a.rows) {
       mbar_wait(&ring.sh.empty[s], phase);
       fence_proxy_async();  // the warps' reads of the stage before the copy's writes
-      ring.issue<X>(s, a, next);
+      ring.template issue<X>(s, a, next);
     }
   }
   // The block's partial rows (dscale if given, then dbias), or with one block
@@ -225,25 +230,38 @@ __device__ void grad_rows(const BwdArgs& a, const RoleRing& ring) {
   }
 }
 
-template <typename X, typename W, bool kCentered>
+template <typename X, typename W, bool kCentered, int kStages>
 __global__ void __launch_bounds__(kRoleThreads, 1) bwd_roles(BwdArgs a) {
   constexpr RowDots kMode = kCentered ? RowDots::kOwnLn : RowDots::kOwnRms;
-  __shared__ __align__(16) RoleRing::Shared sh;
+  using Ring = RoleRing<kStages>;
+  __shared__ __align__(16) typename Ring::Shared sh;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const int64_t nvec = a.hidden / 8;
-  const RoleRing ring{sh, dyn, nvec, uint32_t(nvec * 16)};
+  const Ring ring{sh, dyn, nvec, uint32_t(nvec * 16)};
   ring.init();
   if (threadIdx.x == kRoleStatThreads) {  // the gradient warps' first thread
-    for (int s = 0; s < kRoleStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       const int64_t row = blockIdx.x + int64_t(s) * gridDim.x;
-      if (row < a.rows) ring.issue<X>(s, a, row);
+      if (row < a.rows) ring.template issue<X>(s, a, row);
     }
   }
   if (threadIdx.x < kRoleStatThreads) {
-    sum_rows<X, W, kMode>(a, ring);
+    sum_rows<X, W, kMode, kStages>(a, ring);
   } else {
-    grad_rows<X, W, kMode>(a, ring);
+    grad_rows<X, W, kMode, kStages>(a, ring);
   }
+}
+
+// Stages of the ring for rows of `hidden` 16-bit elements: kRoleStages, or
+// two where DRAM is slow and kRoleStages would take over kRoleRingBytes. On
+// an H100, computing the statistics (benchmarks/NOTES.md, v53), two against
+// three stages: 4096x8192 RMSNorm 80.1-80.5 -> 74.2-74.9 us, LayerNorm
+// 85.3-86.9 -> 77.2-78.1; 16384x8192 LayerNorm 316.1 -> 287.1; 4096x7168
+// 70.2 / 75.2 -> 66.4 / 69.6; but 4096x6656 (78 KB in three stages) 61.6 /
+// 64.6 against 62.5 / 66.1 and 4096x5120 49.2 / 50.2 against 52.7 / 55.2.
+inline int roles_stages(int64_t hidden, const DeviceInfo& dev) {
+  const size_t ring = size_t(kRoleStages) * 2 * hidden * 2;
+  return dram_is_slow(dev) && ring > kRoleRingBytes ? 2 : kRoleStages;
 }
 
 // Whether bwd_roles serves a backward of 16-bit x, dy of its type, in 16-byte
@@ -255,7 +273,7 @@ inline bool roles_serve(const BwdArgs& a, const DeviceInfo& dev) {
   const int64_t nvec = a.hidden / 8;
   return dev.clusters && a.mean == nullptr && a.rstd == nullptr && a.dres == nullptr &&
          a.scale_offset == 0 && nvec > kRoleMaxVecs / 2 && nvec <= kRoleMaxVecs &&
-         size_t(kRoleStages) * 2 * nvec * 16 <= dev.max_dynamic_smem;
+         size_t(roles_stages(a.hidden, dev)) * 2 * nvec * 16 <= dev.max_dynamic_smem;
 }
 
 // Blocks of a launch, and the bytes of its partial rows (none with one block).
@@ -269,11 +287,16 @@ inline size_t roles_partial_bytes(const BwdArgs& a, const DeviceInfo& dev) {
 }
 
 // Runs the backward with a.partial pointing at roles_partial_bytes() of
-// scratch: one block an SM, each a row at a time.
+// scratch: one block an SM, each a row at a time through a ring of `stages`
+// (2 or 3; 0: roles_stages()).
 template <typename X, typename W>
-cudaError_t launch_bwd_roles(cudaStream_t stream, const DeviceInfo& dev, const BwdArgs& a) {
-  const size_t smem = size_t(kRoleStages) * 2 * a.hidden * sizeof(X);
-  auto kernel = a.centered ? &bwd_roles<X, W, true> : &bwd_roles<X, W, false>;
+cudaError_t launch_bwd_roles(cudaStream_t stream, const DeviceInfo& dev, const BwdArgs& a,
+                             int stages = 0) {
+  if (stages == 0) stages = roles_stages(a.hidden, dev);
+  const size_t smem = size_t(stages) * 2 * a.hidden * sizeof(X);
+  auto kernel = stages == 2 ? (a.centered ? &bwd_roles<X, W, true, 2> : &bwd_roles<X, W, false, 2>)
+                            : (a.centered ? &bwd_roles<X, W, true, kRoleStages>
+                                          : &bwd_roles<X, W, false, kRoleStages>);
   if (cudaError_t e = allow_dynamic_smem_once(kernel, smem, dev); e != cudaSuccess) return e;
   const int grid = roles_grid(a, dev);
   kernel<<<grid, kRoleThreads, smem, stream>>>(a);

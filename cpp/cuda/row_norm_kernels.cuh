@@ -1339,40 +1339,67 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
   return p;
 }
 
-// Where DRAM feeds an SM less than kFastDramGbpsPerSm, LayerNorm's backward
-// that would take one block an SM, its accumulators in registers, runs over
-// a cluster of blocks a row instead: slices of at most kSplitSliceVecs
-// vectors, at least two, with at least kSplitMinRowsPerSm rows an SM. On an
-// H100 (3.35 TB/s peak, 25 GB/s an SM; bf16, computing the statistics;
-// benchmarks/NOTES.md, v52): 16384x4096 165 -> 153-157 us, 8192x10240 202
-// -> 187-189, 4096x12288 131 -> 117-120, 8192x12288 246-248 -> 223-230;
-// given the statistics, 7-10% faster at 10240-12288 wide. Not rows of
-// 513-1024 vectors: given the statistics the split lost 2-4% at 4096x8192,
-// and computing them the warp roles take these rows. Not measured with
-// faster memory (an H200: 36 GB/s an SM), which keeps one block an SM.
+// Where DRAM feeds an SM less than kFastDramGbpsPerSm (an H100: 3.35 TB/s
+// peak, 25 GB/s an SM; an H200's 4.8 TB/s is 36), some backward plans
+// measured faster than where it is fast.
 constexpr double kFastDramGbpsPerSm = 30;
-constexpr int kSplitMinRowsPerSm = 24;
-constexpr int64_t kSplitSliceVecs = 640;
+inline bool dram_is_slow(const DeviceInfo& dev) {
+  return dev.dram_gbps > 0 && dev.dram_gbps < kFastDramGbpsPerSm * dev.sms;
+}
+
+// Blocks a row of the split below, or 1: where DRAM is slow, a backward
+// that would take one block an SM, its accumulators in registers, runs over
+// a cluster of blocks a row instead (bf16, computing the statistics, on
+// H100s; benchmarks/NOTES.md):
+// - LayerNorm (v52), with at least 24 rows an SM: slices of at most 640
+//   vectors, at least two. 16384x4096 165 -> 153-157 us, 8192x10240 202 ->
+//   187-189, 4096x12288 131 -> 117-120, 8192x12288 246-248 -> 223-230; given
+//   the statistics 7-10% faster at 10240-12288 wide. Not rows of 513-1024
+//   vectors: given the statistics the split lost 2-4% at 4096x8192. Nor
+//   slices of a warp (v53: 16384x4096 in 4 blocks 168.4 against 153.8 in 2).
+// - RMSNorm (v53), with at least 30 rows an SM: a warp a block, 128 vectors
+//   each, for rows of 256, 384 or 512 vectors (32768x2048 157.7 -> 148.7,
+//   16384x3072 119.3 -> 110.5, 16384x4096 159.4-159.9 -> 143.9-144.1, 8192x4096
+//   82.9 -> 76.7; 4096x4096 43.0 / 43.4 and 2048x4096 24.3 / 26.7, hence
+//   the rows an SM); slices not of 128 vectors lost (16384x4096 in 5 or 6
+//   blocks 176-182). Rows of 1025-1536 vectors in 8 blocks: 8192x10240 201.8
+//   -> 187.6, 8192x12288 238.1 -> 232.5, 4096x12288 123.1 -> 120.7.
+constexpr int kSplitMinRowsPerSm = 24, kRmsSplitMinRowsPerSm = 30;
+constexpr int64_t kSplitSliceVecs = 640, kRmsSliceVecs = 128;
+
+inline int split_parts_where_dram_is_slow(int64_t rows, int64_t nvec, int regions,
+                                          const DeviceInfo& dev) {
+  if (regions == 2) {
+    if (rows < int64_t(kSplitMinRowsPerSm) * dev.sms || nvec <= 2 * kRmsSliceVecs ||
+        (nvec > 512 && nvec <= 1024)) {
+      return 1;
+    }
+    const int parts = int((nvec + kSplitSliceVecs - 1) / kSplitSliceVecs);
+    return parts < 2 ? 2 : parts;
+  }
+  if (regions != 1 || rows < int64_t(kRmsSplitMinRowsPerSm) * dev.sms) return 1;
+  if (nvec % kRmsSliceVecs == 0 && nvec >= 2 * kRmsSliceVecs && nvec <= 4 * kRmsSliceVecs) {
+    return int(nvec / kRmsSliceVecs);
+  }
+  return nvec > 1024 && nvec <= 1536 ? 8 : 1;
+}
 
 template <typename X, typename G, typename W, int VEC>
 RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
                                  bool plain, const DeviceInfo& dev) {
-  const bool slow = dev.dram_gbps > 0 && dev.dram_gbps < kFastDramGbpsPerSm * dev.sms;
-  if (!slow || !dev.clusters || regions != 2 || sizeof(G) != sizeof(X) || p.parts != 1 ||
-      rows < int64_t(kSplitMinRowsPerSm) * dev.sms ||
+  if (!dram_is_slow(dev) || !dev.clusters || sizeof(G) != sizeof(X) || p.parts != 1 ||
       !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
     return p;
   }
   const int64_t nvec = hidden / VEC;
-  if (nvec > 512 && nvec <= 1024) return p;
   RowPlan q = p;
-  q.parts = int((nvec + kSplitSliceVecs - 1) / kSplitSliceVecs);
-  if (q.parts < 2) q.parts = 2;
+  q.parts = split_parts_where_dram_is_slow(rows, nvec, regions, dev);
+  if (q.parts == 1) return p;
   q.rows_per_block = 1;
   q.groups = rows;
   q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
   const bool in_regs = bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain);
-  if (q.parts > kMaxClusterParts || q.tpr < 64 || q.tpr > kAccRegsThreads ||
+  if (q.parts > kMaxClusterParts || q.tpr > kAccRegsThreads ||
       bwd_smem_bytes<X, G, W, VEC>(q, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
     return p;
   }
