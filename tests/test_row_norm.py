@@ -327,7 +327,9 @@ PLAN_CASES = [
     # rows an SM in clusters of blocks of a warp (256, 384 and 512 vectors)
     # or of 8 blocks (1025 vectors: slices of 129, the last 122; 1281); at
     # 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
-    # above.
+    # above. Rows of 128, 192 and 256 vectors, at least 100 an SM, at 2
+    # vectors a thread (6, 4 and 3 rows a block, the last block's group
+    # partial; RMSNorm's 256 split in 2 instead).
     *gpu_only(
         ((3200, 4088), jnp.bfloat16, jnp.float32),
         ((3200, 4104), jnp.bfloat16, jnp.float32),
@@ -336,6 +338,9 @@ PLAN_CASES = [
         ((3968, 3072), jnp.bfloat16, jnp.float32),
         ((3968, 4096), jnp.bfloat16, jnp.bfloat16),
         ((3968, 8200), jnp.bfloat16, jnp.bfloat16),
+        ((13203, 1024), jnp.bfloat16, jnp.bfloat16),
+        ((13203, 1536), jnp.float16, jnp.float32),
+        ((13203, 2048), jnp.bfloat16, jnp.float32),
     ),
 ]
 

@@ -1387,10 +1387,7 @@ inline int split_parts_where_dram_is_slow(int64_t rows, int64_t nvec, int region
 template <typename X, typename G, typename W, int VEC>
 RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
                                  bool plain, const DeviceInfo& dev) {
-  if (!dram_is_slow(dev) || !dev.clusters || sizeof(G) != sizeof(X) || p.parts != 1 ||
-      !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
-    return p;
-  }
+  if (!dev.clusters) return p;
   const int64_t nvec = hidden / VEC;
   RowPlan q = p;
   q.parts = split_parts_where_dram_is_slow(rows, nvec, regions, dev);
@@ -1404,6 +1401,44 @@ RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden,
     return p;
   }
   return q;
+}
+
+// Rows of 128, 192 or 256 vectors (1024-2048 bf16), at least
+// kTwoVecMinRowsPerSm an SM, at 2 vectors a thread, not 4: twice the threads
+// a row, half the rows a block, the same block. On H100s (v54; planned ->
+// 2 vectors a thread, computing the statistics): 65536x1024 RMSNorm 154.9-155.7
+// -> 137.6-137.7 us, LayerNorm 160.6-161.5 -> 146.2-146.5; 65536x1536 238.4 ->
+// 203.7 and 241.9 -> 216.1; LayerNorm 32768x2048 163.4 -> 149.8; 16384x1024
+// 41.9 -> 39.8 and 43.6 -> 42.6; but 8192x1024 (62 rows an SM) 23.5 -> 23.5
+// and 24.7 -> 25.7. (v28 had RMSNorm 65536x1024 3% faster so on an H200.)
+constexpr int kTwoVecMinRowsPerSm = 100;
+
+template <typename X, typename G, typename W, int VEC>
+RowPlan two_vectors_a_thread(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
+                             bool plain, const DeviceInfo& dev) {
+  const int64_t nvec = hidden / VEC;
+  if (nvec % 64 != 0 || nvec < 128 || nvec > 256 ||
+      rows < int64_t(kTwoVecMinRowsPerSm) * dev.sms) {
+    return p;
+  }
+  RowPlan q = p;
+  q.tpr = int(nvec / 2);
+  q.rows_per_block = kAccRegsThreads / q.tpr;
+  q.groups = (rows + q.rows_per_block - 1) / q.rows_per_block;
+  return bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain) ? q : p;
+}
+
+// Where DRAM is slow, a plan of one block an SM with its accumulators in
+// registers (dy as wide as x) takes one of the two below, if either serves.
+template <typename X, typename G, typename W, int VEC>
+RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
+                                bool plain, const DeviceInfo& dev) {
+  if (!dram_is_slow(dev) || sizeof(G) != sizeof(X) || p.parts != 1 ||
+      !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
+    return p;
+  }
+  const RowPlan q = split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
+  return q.parts > 1 ? q : two_vectors_a_thread<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
 }
 
 // Backward rows: the element-wise plan; else 4 vectors a thread (the ring
@@ -1446,7 +1481,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
   if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
-  return split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
+  return plan_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
 }
 
 // Runs the backward with `a.partial` pointing at partial_bytes() of scratch.
