@@ -1410,7 +1410,7 @@ RowPlan split_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden,
 // -> 137.6-137.7 us, LayerNorm 160.6-161.5 -> 146.2-146.5; 65536x1536 238.4 ->
 // 203.7 and 241.9 -> 216.1; LayerNorm 32768x2048 163.4 -> 149.8; 16384x1024
 // 41.9 -> 39.8 and 43.6 -> 42.6; but 8192x1024 (62 rows an SM) 23.5 -> 23.5
-// and 24.7 -> 25.7. (v28 had RMSNorm 65536x1024 3% faster so on an H200.)
+// and 24.7 -> 25.7. (On an H200, v28 measured only 3% at RMSNorm 65536x1024.)
 constexpr int kTwoVecMinRowsPerSm = 100;
 
 template <typename X, typename G, typename W, int VEC>
