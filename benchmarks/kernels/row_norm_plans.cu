@@ -10,7 +10,8 @@
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
-// split over clusters of those many blocks a row. The warp-role backward
+// split over clusters of those many blocks a row (PARTS=8x2: at 2 vectors a
+// thread, not 4). The warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
 // unplanned.
@@ -364,17 +365,20 @@ int main(int argc, char** argv) {
         }
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
-      // slice of the row each at 4 vectors a thread (o3, o6).
+      // slice of the row each at 4 vectors a thread (o3, o6); PARTS=8x2 at
+      // 2 vectors a thread (o8/2: twice the threads, the rest masked).
       for (const auto& item : env_pairs("PARTS", 1)) {
         RowPlan q = bwd_plan;
         q.parts = int(item.first);
         q.rows_per_block = 1;
         q.groups = c.rows;
-        q.tpr = threads_per_row((nvec + q.parts - 1) / q.parts, kMaxBwdNv);
+        const int nv = kMaxBwdNv / int(item.second);
+        q.tpr = nv > 0 ? threads_per_row((nvec + q.parts - 1) / q.parts, nv) : 0;
         if (info.clusters && q.parts >= 2 && q.parts <= kMaxClusterParts && q.tpr >= 32 &&
             q.tpr <= kAccRegsThreads) {
           char name[16];
-          std::snprintf(name, sizeof name, " o%d", q.parts);
+          std::snprintf(name, sizeof name, item.second > 1 ? " o%d/%d" : " o%d", q.parts,
+                        int(item.second));
           time_own(name, q);
         }
       }
