@@ -1365,12 +1365,13 @@ inline bool dram_is_slow(const DeviceInfo& dev) {
 //   blocks 176-182). Rows of 1025-1536 vectors in 8 blocks: 8192x10240 201.8
 //   -> 187.6, 8192x12288 238.1 -> 232.5, 4096x12288 123.1 -> 120.7.
 constexpr int kSplitMinRowsPerSm = 24, kRmsSplitMinRowsPerSm = 30;
-constexpr int64_t kSplitSliceVecs = 640, kRmsSliceVecs = 128;
+constexpr int64_t kSplitSliceVecs = 640;
+constexpr int64_t kWarpSliceVecs = 32 * kMaxBwdNv;  // a slice one warp holds
 
 inline int split_parts_where_dram_is_slow(int64_t rows, int64_t nvec, int regions,
                                           const DeviceInfo& dev) {
   if (regions == 2) {
-    if (rows < int64_t(kSplitMinRowsPerSm) * dev.sms || nvec <= 2 * kRmsSliceVecs ||
+    if (rows < int64_t(kSplitMinRowsPerSm) * dev.sms || nvec <= 2 * kWarpSliceVecs ||
         (nvec > 512 && nvec <= 1024)) {
       return 1;
     }
@@ -1378,8 +1379,8 @@ inline int split_parts_where_dram_is_slow(int64_t rows, int64_t nvec, int region
     return parts < 2 ? 2 : parts;
   }
   if (regions != 1 || rows < int64_t(kRmsSplitMinRowsPerSm) * dev.sms) return 1;
-  if (nvec % kRmsSliceVecs == 0 && nvec >= 2 * kRmsSliceVecs && nvec <= 4 * kRmsSliceVecs) {
-    return int(nvec / kRmsSliceVecs);
+  if (nvec % kWarpSliceVecs == 0 && nvec >= 2 * kWarpSliceVecs && nvec <= 4 * kWarpSliceVecs) {
+    return int(nvec / kWarpSliceVecs);
   }
   return nvec > 1024 && nvec <= 1536 ? 8 : 1;
 }
