@@ -5,12 +5,14 @@ outside the range):
   ncu --profile-from-start off --set full -o rep \
       python3 ncu_probe.py rms_norm:fwd:1x4096 rms_norm:fwd+bwd:64x4096 ...
 
-Each case runs jaxnorm, then XLA's jnp implementation.
+Each case runs jaxnorm, then XLA's jnp implementation, then the torch peers
+named in PEERS (say PEERS=liger,torch.compile), where they import.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 import jax
@@ -35,12 +37,36 @@ def main(cases: list[str]) -> None:
             jax.block_until_ready(fn(*args))  # compile and warm up
             jax.block_until_ready(fn(*args))
             calls.append((f"{op} {pass_} {shape} {impl}", fn, args))
+        calls += peer_calls(op, pass_, shape)
     cuda = ctypes.CDLL("libcuda.so.1")
     cuda.cuProfilerStart()
     for name, fn, args in calls:
         print("probe:", name, flush=True)
         jax.block_until_ready(fn(*args))
     cuda.cuProfilerStop()
+
+
+def peer_calls(op, pass_, shape):
+    """The PEERS' calls of the case, warmed up, as (name, fn, ())."""
+    peers = [p for p in os.environ.get("PEERS", "").split(",") if p]
+    if not peers:
+        return []
+    import torch
+    import torch_peers
+
+    calls = []
+    for impl in set(peers) & set(torch_peers.available()):
+        call = torch_peers.peer_call(op, impl, pass_, shape, "bfloat16")
+        call()
+        call()
+        torch.cuda.synchronize()
+
+        def run(call=call):
+            call()
+            torch.cuda.synchronize()
+
+        calls.append((f"{op} {pass_} {shape} {impl}", run, ()))
+    return calls
 
 
 if __name__ == "__main__":

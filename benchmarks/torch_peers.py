@@ -231,6 +231,11 @@ def kernel_times(fn, iters: int = 20, warmup: int = 3) -> dict[str, float]:
 def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, float]:
     """Kernel times of one peer call: the forward, or the forward and the
     gradients of every input (torch's forward also writes y)."""
+    return kernel_times(peer_call(op, impl, pass_, shape, dtype_name))
+
+
+def peer_call(op: str, impl: str, pass_: str, shape, dtype_name: str):
+    """The call that `timed` times, on fresh inputs."""
     import torch
     dtype = getattr(torch, dtype_name)
     f = _function(op, impl)
@@ -249,7 +254,7 @@ def timed(op: str, impl: str, pass_: str, shape, dtype_name: str) -> dict[str, f
             out = f(*args)
             out = out if isinstance(out, tuple) else (out,)
             return torch.autograd.grad(out[:len(cotangents)], wrt, cotangents)
-    return kernel_times(call)
+    return call
 
 
 def run(cases, impls, dtype_name: str) -> dict:

@@ -248,10 +248,11 @@ def gpu_only(*cases):
 # vectors), float16 and float64 rows, 300 rows (each thread of a column block
 # takes 5); a block smaller than a warp (generic kernels); rows too long for
 # the decode kernels (3x65536: the forward a cluster of 4 blocks of 8
-# vectors a thread, the backward a cluster of 8 blocks a row). Over 528 rows:
+# vectors a thread, 8 where DRAM is slow; the backward a cluster of 8 blocks
+# a row). Over 528 rows:
 # one block a row at 1024-32768 wide (4 vectors a thread with y, 8 for
 # statistics only; with y, 8 at 32768), at 65536 a cluster of 4 blocks a
-# row; the backward of rows over 2048 vectors in
+# row (8 where DRAM is slow); the backward of rows over 2048 vectors in
 # clusters of 2-8 blocks, each a slice of the row (LayerNorm bf16: 3 at 32768,
 # 8 at 65536; RMSNorm: 4 and 8), slices of unequal length (16392 bf16: 2049
 # vectors, LayerNorm 2 slices, RMSNorm 4; 8196 float32); float32 parameters
@@ -329,7 +330,12 @@ PLAN_CASES = [
     # 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
     # above. Rows of 128, 192 and 256 vectors, at least 100 an SM, at 2
     # vectors a thread (6, 4 and 3 rows a block, the last block's group
-    # partial; RMSNorm's 256 split in 2 instead).
+    # partial; RMSNorm's 256 split in 2 instead). RMSNorm's backward of rows
+    # of 3585-4096 vectors in clusters of 8 blocks at 2 vectors a thread, not
+    # 4 at 4 (540x32768 above; 3751 vectors: slices of 469, the last 468).
+    # The forward of rows of 6145-8192 vectors in clusters of 8 blocks, not
+    # 4 (3x65536 and 530x65536 above; 7501 vectors: slices of 938, the last
+    # 935, over and under 132 rows); 6144 vectors keep 4.
     *gpu_only(
         ((3200, 4088), jnp.bfloat16, jnp.float32),
         ((3200, 4104), jnp.bfloat16, jnp.float32),
@@ -341,6 +347,9 @@ PLAN_CASES = [
         ((13203, 1024), jnp.bfloat16, jnp.bfloat16),
         ((13203, 1536), jnp.float16, jnp.float32),
         ((13203, 2048), jnp.bfloat16, jnp.float32),
+        ((64, 30008), jnp.bfloat16, jnp.bfloat16),
+        ((7, 60008), jnp.float16, jnp.float32),
+        ((150, 60008), jnp.bfloat16, jnp.bfloat16),
     ),
 ]
 

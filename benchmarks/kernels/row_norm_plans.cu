@@ -10,8 +10,8 @@
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
-// split over clusters of those many blocks a row (PARTS=8x2: at 2 vectors a
-// thread, not 4). The warp-role backward
+// split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
+// vectors a thread, not 4). The warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
 // unplanned.
@@ -292,8 +292,10 @@ int main(int argc, char** argv) {
     // serve, else the generic plan.
     const FewBwdPlan few = plan_bwd_few<bf16, VEC>(c.rows, H, info);
     const RowPlan fwd_plan = plan_fwd(c.rows, nvec, VEC, sms);
-    const RowPlan bwd_plan =
-        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, regions, true, info);
+    const RowPlan bwd_plan =  // given the forward's statistics
+        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, regions, true, false, info);
+    const RowPlan own_plan =  // computing them
+        plan_bwd_rows<bf16, bf16, bf16, VEC>(c.rows, H, regions, true, true, info);
     for (int nv : {4, 8}) {
       if (threads_per_row(nvec, nv) > kMaxRowThreads) continue;
      for (int one_row : {0, 1}) {
@@ -327,15 +329,15 @@ int main(int argc, char** argv) {
     // The planned backward computing its rows' statistics from x (o*), as
     // under jax.grad, where the forward's mean and rstd go unused and the
     // forward itself is left out.
-    if (bwd_plan.nv > 0 && few.blocks == 0) {
+    if (own_plan.nv > 0 && few.blocks == 0) {
       CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y, for the check
       BwdArgs own = ba;
       own.mean = own.rstd = nullptr;
       own.epsilon = 1e-5;
-      const auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
+      const auto l = plan_bwd<bf16, bf16, bf16, VEC>(own_plan, H, true, regions, true, info);
       const bool roles = roles_serve(own, info);  // then the handlers' plan
-      time_bwd(bwd_plan.parts > 1 ? "so*" : roles ? " o" : " o*", bwd_plan.tpr,
-               bwd_plan.rows_per_block,
+      time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
+               own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
@@ -345,7 +347,7 @@ int main(int argc, char** argv) {
       // TPR=352x1,192x2: the same launch with other threads a row and rows a
       // block (whole warps; a thread's vectors past the row's end masked).
       for (auto [tpr, rpb] : env_pairs("TPR", 1)) {
-        RowPlan q = bwd_plan;
+        RowPlan q = own_plan;
         q.tpr = int(tpr);
         q.rows_per_block = int(rpb);
         q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
@@ -368,14 +370,14 @@ int main(int argc, char** argv) {
       // slice of the row each at 4 vectors a thread (o3, o6); PARTS=8x2 at
       // 2 vectors a thread (o8/2: twice the threads, the rest masked).
       for (const auto& item : env_pairs("PARTS", 1)) {
-        RowPlan q = bwd_plan;
+        RowPlan q = own_plan;
         q.parts = int(item.first);
         q.rows_per_block = 1;
         q.groups = c.rows;
         const int nv = kMaxBwdNv / int(item.second);
         q.tpr = nv > 0 ? threads_per_row((nvec + q.parts - 1) / q.parts, nv) : 0;
-        if (info.clusters && q.parts >= 2 && q.parts <= kMaxClusterParts && q.tpr >= 32 &&
-            q.tpr <= kAccRegsThreads) {
+        if (info.clusters && q.parts >= 2 && q.parts <= kMaxWideClusterParts && q.tpr >= 32 &&
+            q.tpr <= kAccRegsThreads && split_fits_slots(q.parts, q.tpr)) {
           char name[16];
           std::snprintf(name, sizeof name, item.second > 1 ? " o%d/%d" : " o%d", q.parts,
                         int(item.second));
@@ -476,8 +478,8 @@ int main(int argc, char** argv) {
           CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, bare));
         }));
       }
-      // A cluster of 2 or 4 blocks a row (8c2, 8c4); without the residual,
-      // y-diff against the planned kernel's y.
+      // A cluster of 2, 4 or 8 blocks a row (8c2, 8c4, 8c8); without the
+      // residual, y-diff against the planned kernel's y.
       auto cluster_row = [&](auto parts) {
         constexpr int kParts = decltype(parts)::value;
         with_centered(c.centered, [&](auto centered) {
@@ -501,6 +503,7 @@ int main(int argc, char** argv) {
       if (nv == kLongNv && info.clusters && write_y) {
         cluster_row(std::integral_constant<int, 2>{});
         cluster_row(std::integral_constant<int, 4>{});
+        cluster_row(std::integral_constant<int, 8>{});
       }
       if (nv == kLongNv && mode == 0) {  // the row in registers alone (16r)
         with_centered(c.centered, [&](auto centered) {

@@ -466,6 +466,17 @@ cudaError_t launch_clusters(void (*kernel)(Args...), unsigned grid, int threads,
 }
 
 constexpr int kMaxClusterParts = 8;  // blocks in a cluster (the portable limit)
+// sm_90 runs clusters of up to 16 blocks for a kernel that opts in
+// (allow_cluster_size); whether they fit a GPC is the runtime's to say.
+constexpr int kMaxWideClusterParts = 16;
+
+// Lets `kernel` run in clusters of `cluster` blocks: beyond the portable
+// limit it must opt in first.
+template <typename K>
+cudaError_t allow_cluster_size(K kernel, int cluster) {
+  if (cluster <= kMaxClusterParts) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+}
 
 // The address of the same shared-memory location in the cluster's block of
 // rank r (sm_90).
@@ -613,6 +624,7 @@ class ClusterSum {
   static_assert(sizeof(P) % 16 == 0);
 
  public:
+  // Enough for every warp of 8 blocks, or of 16 blocks of half the warps.
   static constexpr int kSlots = kMaxClusterParts * kMaxWarps;
   struct Shared {
     P slots[2][kSlots];

@@ -80,7 +80,8 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
   const bool plain = a.dres == nullptr && a.scale_offset == 0;
-  RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, regions, plain, dev);
+  const bool own_stats = a.rstd == nullptr;
+  RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, regions, plain, own_stats, dev);
   if (p.nv == 0) {  // the register path computes missing statistics itself
     JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
   }

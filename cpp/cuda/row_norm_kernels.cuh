@@ -765,6 +765,14 @@ constexpr bool bwd_scale_in_regs() {
 // as in every plain RMSNorm and LayerNorm backward: with those compiled in the
 // kernel executed 8% more instructions and took 9-13% longer than without
 // (benchmarks/NOTES.md, v13).
+// The cluster split's sums: a slot for each warp of its blocks
+// (ClusterSum::warps), which bounds parts * warps (split_fits_slots).
+template <typename A, bool kSplit>
+using SplitClusterSum = ClusterSum<A, 4, kSplit ? kMaxRowThreads / 32 : 1>;
+inline bool split_fits_slots(int parts, int threads) {
+  return parts * ((threads + 31) / 32) <= SplitClusterSum<float, true>::kSlots;
+}
+
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
 // so that the other launches keep their registers; it takes the short
 // arithmetic (xhat_of).
@@ -788,7 +796,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
   // Slots for each warp of a split's blocks (ClusterSum::warps).
-  using Cluster = ClusterSum<A, 4, kSplit ? kMaxRowThreads / 32 : 1>;
+  using Cluster = SplitClusterSum<A, kSplit>;
   __shared__ __align__(16) typename Cluster::Shared cluster_shared;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const R ring{reinterpret_cast<uint4*>(dyn)};
@@ -1082,40 +1090,70 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
   }
 }
 
-// out[j] = sum over p of partial[p][j], p in increasing order. blockIdx.y picks
-// the region (dscale, then dbias).
-template <typename W, typename A>
-__global__ void sum_partials(const A* partial, int64_t parts, int64_t hidden,
-                             W* out0, W* out1) {
-  __shared__ A tile[8][33];
+// out[j] = sum over p of partial[p][j] in a fixed order: thread row y adds
+// the partial rows y, y + 8, ..., then the 8 sums are added in turn.
+// blockIdx.y picks the region (dscale, then dbias). A thread takes kCols
+// adjacent columns, one 16-byte load a row where the rows allow it: with one
+// column a thread (4-byte loads), 30 float32 rows of 65536 took 7.4 us, 31%
+// of DRAM's bandwidth, under Nsight Compute with the caches flushed (RMSNorm
+// 512x65536 on an H100, benchmarks/NOTES.md v55).
+template <typename W, typename A, int kCols>
+__global__ void __launch_bounds__(256) sum_partials(const A* partial, int64_t parts,
+                                                   int64_t hidden, W* out0, W* out1) {
+  using Cols = Packed<A, kCols>;
+  __shared__ Cols tile[8][32];
   const A* p = partial + int64_t(blockIdx.y) * parts * hidden;
   W* out = blockIdx.y == 0 ? out0 : out1;
-  const int64_t col = int64_t(blockIdx.x) * 32 + threadIdx.x;
-  A s = 0;
+  const int64_t col = (int64_t(blockIdx.x) * 32 + threadIdx.x) * kCols;
+  Cols s{};
   if (col < hidden) {
 #pragma unroll 4
-    for (int64_t r = threadIdx.y; r < parts; r += 8) s += p[r * hidden + col];
+    for (int64_t r = threadIdx.y; r < parts; r += 8) {
+      const Cols v = *reinterpret_cast<const Cols*>(p + r * hidden + col);
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) s.v[k] += v.v[k];
+    }
   }
   tile[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y != 0 || col >= hidden) return;
-  A t = 0;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) t += tile[k][threadIdx.x];
-  out[col] = from_acc<W>(t);
+  for (int k = 0; k < kCols; ++k) {
+    A t = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) t += tile[j][threadIdx.x].v[k];
+    out[col + k] = from_acc<W>(t);
+  }
 }
 
 // ------------------------------------------------------------------ launch
 
-// Sums the `parts` partial rows in a.partial into dscale and dbias.
+// Sums the `parts` partial rows in a.partial into dscale and dbias: 16 bytes
+// of a row a thread where rows are whole 16-byte chunks and that still
+// leaves kSumVecBlocks blocks, else one element. On an H100 (v55), 16 bytes
+// took LayerNorm 512x65536 87.2-87.3 -> 84.8-85.3 us; with 32 blocks of them
+// RMSNorm 16384x4096 lost 144.0 -> 145.2-145.6 (one element: 128 blocks).
+constexpr int64_t kSumVecBlocks = 256;
+
 template <typename W, typename A>
 cudaError_t launch_sum_partials(cudaStream_t stream, const BwdArgs& a, int64_t parts) {
+  constexpr int kVec = 16 / sizeof(A);
   const int regions = int(a.has_scale) + int(a.has_bias);
+  const int64_t vec_blocks = (a.hidden + 32 * kVec - 1) / (32 * kVec) * regions;
+  const auto* partial = static_cast<const A*>(a.partial);
   W* out0 = static_cast<W*>(a.has_scale ? a.dscale : a.dbias);
-  dim3 grid(unsigned((a.hidden + 31) / 32), unsigned(regions));
-  sum_partials<W, A><<<grid, dim3(32, 8), 0, stream>>>(
-      static_cast<const A*>(a.partial), parts, a.hidden, out0, static_cast<W*>(a.dbias));
-  return cudaGetLastError();
+  W* out1 = static_cast<W*>(a.dbias);
+  auto launch = [&](auto cols) {
+    constexpr int kCols = decltype(cols)::value;
+    const dim3 grid(unsigned((a.hidden + 32 * kCols - 1) / (32 * kCols)), unsigned(regions));
+    sum_partials<W, A, kCols><<<grid, dim3(32, 8), 0, stream>>>(partial, parts, a.hidden,
+                                                                 out0, out1);
+    return cudaGetLastError();
+  };
+  if (a.hidden % kVec == 0 && aligned16(partial) && vec_blocks >= kSumVecBlocks) {
+    return launch(std::integral_constant<int, kVec>{});
+  }
+  return launch(std::integral_constant<int, 1>{});
 }
 
 inline int grid_size(int64_t groups, int64_t cap) {
@@ -1152,6 +1190,7 @@ int resident_clusters(K kernel, int threads, size_t smem, int parts, const Devic
         cluster_config(unsigned(parts), threads, smem, parts, nullptr, attr);
     int n = 0;
     if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
+        allow_cluster_size(kernel, parts) != cudaSuccess ||
         cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess || n < 1) {
       cudaGetLastError();
       n = 1;
@@ -1429,15 +1468,37 @@ RowPlan two_vectors_a_thread(const RowPlan& p, int64_t rows, int64_t hidden, int
   return bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain) ? q : p;
 }
 
+// RMSNorm's cluster split of rows of 3585-4096 vectors (28680-32768 bf16):
+// 8 blocks a row of 256 threads at 2 vectors a thread, in place of 4 blocks
+// at 4: the same blocks, half the bytes in flight in each. On an H100 (v55,
+// computing the statistics): 2048x32768 157.9-158.0 -> 150.6-151.1 us,
+// 256-4096 rows of 32768 1-5% faster, 30720 wide 1%; with fewer threads a
+// block it lost (28672 wide 3.5%, 24576 7%, 26624 10%), and so did
+// LayerNorm's (3 blocks of 352 threads with its accumulators in registers:
+// 2048x32768 152.9 -> 242.1).
+template <int VEC>
+RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
+  if (regions != 1 || p.parts != 4) return p;
+  RowPlan q = p;
+  q.parts = 2 * p.parts;
+  q.tpr = threads_per_row((hidden / VEC + q.parts - 1) / q.parts, kMaxBwdNv / 2);
+  return q.tpr == kMaxSliceThreads ? q : p;
+}
+
 // Where DRAM is slow, a plan of one block an SM with its accumulators in
-// registers (dy as wide as x) takes one of the two below, if either serves.
+// registers (dy as wide as x) takes one of the two below, if either serves;
+// a plain cluster split of 16-bit rows that computes its statistics,
+// split_at_two_vectors (given them it ran 2% slower: 2048x32768 160.5 ->
+// 163.3 us). Each measured for 16-bit x only.
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
-                                bool plain, const DeviceInfo& dev) {
-  if (!dram_is_slow(dev) || sizeof(G) != sizeof(X) || p.parts != 1 ||
-      !bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) {
-    return p;
+                                bool plain, bool own_stats, const DeviceInfo& dev) {
+  if (!dram_is_slow(dev) || sizeof(G) != sizeof(X)) return p;
+  if (p.parts > 1) {
+    const bool serves = plain && own_stats && sizeof(X) == 2;
+    return serves ? split_at_two_vectors<VEC>(p, hidden, regions) : p;
   }
+  if (!bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) return p;
   const RowPlan q = split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
   return q.parts > 1 ? q : two_vectors_a_thread<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
 }
@@ -1451,9 +1512,10 @@ RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, 
 // H200 (bf16, computing the statistics, benchmarks/NOTES.md v32) one block
 // of 384 threads beat two or three smaller ones with their accumulators in
 // shared memory: LayerNorm 16384x4096 134 -> 109 us, 131072x512 140 -> 116;
-// RMSNorm 16384x4096 109 -> 102, 32768x2048 110 -> 104.
+// RMSNorm 16384x4096 109 -> 102, 32768x2048 110 -> 104. own_stats: the
+// launch computes the rows' statistics (none saved, as under jax.grad).
 template <typename X, typename G, typename W, int VEC>
-RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
+RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain, bool own_stats,
                       const DeviceInfo& dev) {
   const int sms = dev.sms;
   const int64_t nvec = hidden / VEC;
@@ -1482,7 +1544,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain,
   if (bwd_smem_bytes<X, G, W, VEC>(p, hidden, false, regions, in_regs) > dev.max_dynamic_smem) {
     return plan_with_nv(rows, nvec, 0, sms);
   }
-  return plan_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
+  return plan_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, own_stats, dev);
 }
 
 // Runs the backward with `a.partial` pointing at partial_bytes() of scratch.
@@ -1495,6 +1557,9 @@ cudaError_t launch_bwd(cudaStream_t stream, const BwdLaunch<X, G, W, VEC>& l,
   a.parts = l.plan.parts;
   a.stage_params = l.stage_scale;
   const size_t partial = l.partial_bytes(a.hidden);
+  if (l.plan.parts > 1 && !split_fits_slots(l.plan.parts, l.plan.threads())) {
+    return cudaErrorInvalidConfiguration;  // the cluster's sums would overrun their slots
+  }
   if (l.plan.nv == 0 && partial > 0) {
     cudaError_t err = cudaMemsetAsync(a.partial, 0, partial, stream);
     if (err != cudaSuccess) return err;
