@@ -299,9 +299,10 @@ PLAN_CASES = [
     ((560, 10248), jnp.bfloat16, jnp.float32),
     # long rows with a partial last block of vectors; rows beyond a block's
     # reach. The forward of rows of 4097-8192 vectors on sm_90: a cluster of 4
-    # blocks a row (9, 40 and 140 rows, 3 float32 rows of 5000 vectors) or 2
-    # (50 rows, the slices 2561 and 2560 vectors; 100 rows); one block a row
-    # without clusters. LayerNorm's backward of 50 and 100 bf16 rows in
+    # blocks a row (9, 40 and 140 rows, 3 float32 rows of 5000 vectors; 8
+    # where DRAM is slow and the row is over 6144 vectors) or 2 (50 rows,
+    # the slices 2561 and 2560 vectors; 100 rows); one block a row without
+    # clusters. LayerNorm's backward of 50 and 100 bf16 rows in
     # clusters of 4 blocks of up to 384 threads, not 8 (the last slice 1150
     # of 1153 vectors at 36872); of 24576 bf16 in 2 blocks of 384 threads
     # (the kernel's bound), not 4
@@ -335,7 +336,8 @@ PLAN_CASES = [
     # 4 at 4 (540x32768 above; 3751 vectors: slices of 469, the last 468).
     # The forward of rows of 6145-8192 vectors in clusters of 8 blocks, not
     # 4 (3x65536 and 530x65536 above; 7501 vectors: slices of 938, the last
-    # 935, over and under 132 rows); 6144 vectors keep 4.
+    # 935, over and under 132 rows; 40x49160 and 140x49160 above, 6145
+    # vectors, take 8 too).
     *gpu_only(
         ((3200, 4088), jnp.bfloat16, jnp.float32),
         ((3200, 4104), jnp.bfloat16, jnp.float32),
