@@ -11,7 +11,10 @@
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
 // adds the planned backward at those threads a row x rows a block, PARTS=3,6
 // split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
-// vectors a thread, not 4). The warp-role backward
+// vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
+// shared memory), COUNTS=26,27 the planned split on that many clusters,
+// YOFF_KB=1,64 the planned forward with y that far past x (1: none). The
+// warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
 // unplanned.
@@ -306,7 +309,7 @@ int main(int argc, char** argv) {
         return !few_serves && q.nv == p.nv && q.rows_per_block == p.rows_per_block ? "*" : "";
       };
       for (bool write_y : {true, false}) {
-        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, false, c.centered, sms) > 0);
+        const char* mark = mark_of(fwd_plan, block_fwd_nv(c.rows, nvec, write_y, false, c.centered, info) > 0);
         FwdArgs a = fa;
         a.write_y = write_y;
         float us = time_us(s, [&] { CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, p, a)); });
@@ -341,9 +344,37 @@ int main(int argc, char** argv) {
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
+        if (lq.smem > info.max_dynamic_smem) return;
         time_bwd(name, q.tpr, q.rows_per_block, lq.grid, lq.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+        // ACC_SMEM=1: a split that holds dscale/dbias in registers, again
+        // with them in shared memory (name+m), as many blocks as then fit.
+        if (!std::getenv("ACC_SMEM") || q.parts == 1 ||
+            lq.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false)) {
+          return;
+        }
+        auto lm = lq;
+        lm.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
+        lm.smem = bwd_smem_bytes<bf16, bf16, bf16, VEC>(q, H, false, regions, false);
+        if (lm.smem > info.max_dynamic_smem) return;
+        const int fit = resident_clusters(lm.kernel, q.threads(), lm.smem, q.parts, info);
+        lm.grid = grid_size(q.groups, fit) * q.parts;
+        char smem_name[16];
+        std::snprintf(smem_name, sizeof smem_name, "%sm", name);
+        time_bwd(smem_name, q.tpr, q.rows_per_block, lm.grid, lm.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lm, own)); });
       };
+      // COUNTS=26,27: the planned split on that many clusters (so26, so27)
+      // in place of the resident ones: which counts leave a short last round.
+      for (const auto& item : env_pairs("COUNTS", 1)) {
+        if (own_plan.parts == 1) break;
+        auto lk = l;
+        lk.grid = int(item.first) * own_plan.parts;
+        char name[16];
+        std::snprintf(name, sizeof name, "so%d", int(item.first));
+        time_bwd(name, own_plan.tpr, 1, lk.grid, lk.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lk, own)); });
+      }
       // TPR=352x1,192x2: the same launch with other threads a row and rows a
       // block (whole warps; a thread's vectors past the row's end masked).
       for (auto [tpr, rpb] : env_pairs("TPR", 1)) {
@@ -377,7 +408,7 @@ int main(int argc, char** argv) {
         const int nv = kMaxBwdNv / int(item.second);
         q.tpr = nv > 0 ? threads_per_row((nvec + q.parts - 1) / q.parts, nv) : 0;
         if (info.clusters && q.parts >= 2 && q.parts <= kMaxWideClusterParts && q.tpr >= 32 &&
-            q.tpr <= kAccRegsThreads && split_fits_slots(q.parts, q.tpr)) {
+            q.tpr <= kMaxRowThreads && split_fits_slots(q.parts, q.tpr)) {
           char name[16];
           std::snprintf(name, sizeof name, item.second > 1 ? " o%d/%d" : " o%d", q.parts,
                         int(item.second));
@@ -445,10 +476,31 @@ int main(int argc, char** argv) {
     // The handler's one-block-a-row forward as planned (h: with y; +r: the
     // residual add; stats +r: statistics and h only, as under jax.grad),
     // where it holds 4 or more vectors a thread.
+    // YOFF_KB=0,64,...: the planned one-block-a-row forward writing y at
+    // x + n + that many KB, in one allocation: whether where y lies against
+    // x changes what the same kernel takes.
+    for (const auto& item : env_pairs("YOFF_KB", 1)) {
+      const int nv = block_fwd_nv(c.rows, nvec, true, false, c.centered, info);
+      if (nv <= kFewNv) break;
+      const int64_t off = item.first == 1 ? 0 : item.first * 1024;  // "1": no offset
+      char* base;
+      CHECK(cudaMalloc(&base, n * 4 + off));
+      CHECK(cudaMemcpyAsync(base, x, n * 2, cudaMemcpyDeviceToDevice, s));
+      FwdArgs a = fa;
+      a.x = base;
+      a.y = base + n * 2 + off;
+      const float us =
+          time_us(s, [&] { CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, a)); });
+      std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6ld %9.1f %6.0f %4.0f%%\n", op, "fwd@", shape,
+                  "yoff", threads_per_row(nvec, nv), 1, long(c.rows), long(off / 1024), us,
+                  4.0 * n / us / 1e3, 400.0 * n / us / 1e3 / copy);
+      CHECK(cudaStreamSynchronize(s));
+      CHECK(cudaFree(base));
+    }
     for (int mode = 0; mode < 3; ++mode) {
       const bool write_y = mode < 2, residual = mode > 0;
       if (residual && c.centered) continue;
-      const int nv = block_fwd_nv(c.rows, nvec, write_y, residual, c.centered, sms);
+      const int nv = block_fwd_nv(c.rows, nvec, write_y, residual, c.centered, info);
       if (nv <= kFewNv) continue;
       FwdArgs a = fa;
       a.write_y = write_y;
@@ -542,7 +594,7 @@ int main(int argc, char** argv) {
         with_row_vecs(fixed ? nvec : 0, [&](auto vecs) {
           constexpr int V = NV == kFewNv ? decltype(vecs)::value : 0;
           auto kernel = fwd_block<bf16, bf16, bf16, VEC, NV, kC, kWriteY, kEarly, S, V>;
-          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, residual, c.centered, sms) == NV;
+          bool planned = block_fwd_nv(c.rows, nvec, kWriteY, residual, c.centered, info) == NV;
           if (planned && NV == kFewNv) planned = fixed == has_fixed;
           if (planned && kWriteY && NV == kFewNv) {  // launch_fwd_block's rules
             planned = kEarly && S == (split_rows(c.rows, sms, kC) && !residual ? 2 : 1);
@@ -651,7 +703,7 @@ int main(int argc, char** argv) {
       stats.write_y = false;
       stats.has_scale = stats.has_bias = false;
       few_bwd("sf+f", [&] {
-        if (const int nv = block_fwd_nv(c.rows, nvec, false, false, c.centered, sms)) {
+        if (const int nv = block_fwd_nv(c.rows, nvec, false, false, c.centered, info)) {
           CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, stats));
         } else {
           CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, plan_fwd(c.rows, nvec, VEC, sms),

@@ -15,8 +15,8 @@ template <typename X, typename Y, typename W, int VEC>
 ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
   if constexpr (VEC > 1) {
     const bool residual = a.residual != nullptr;
-    if (const int nv = block_fwd_nv(a.rows, a.hidden / VEC, a.write_y, residual, a.centered,
-                                     dev.sms)) {
+    if (const int nv =
+            block_fwd_nv(a.rows, a.hidden / VEC, a.write_y, residual, a.centered, dev)) {
       return cuda_error(launch_fwd_block<X, Y, W, VEC>(stream, dev, nv, a), "row_norm_fwd");
     }
   }

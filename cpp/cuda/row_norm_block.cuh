@@ -458,10 +458,12 @@ inline int fwd_cluster_parts(int64_t rows, int64_t row_vecs, const DeviceInfo& d
 // bf16), 8 for the statistics with the residual (at up to 1024 threads),
 // with scale, bias and residual loaded late (v14) through shared memory
 // (LateLoads, v18). Rows of one warp at 4 (1024 bf16) take 2 for RMSNorm
-// and for the residual add: 0.5-8% faster at 4096-262144 rows; LayerNorm
-// alone ran 0-8% slower that way (v42).
+// and for the residual add: 0.5-8% faster at 4096-262144 rows on an H200;
+// LayerNorm alone ran 0-8% slower that way there (v42), but 1.5-2.6% faster
+// at 65536x1024 on H100s, where DRAM is slow (v56).
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, bool centered,
-                        int sms) {
+                        const DeviceInfo& dev) {
+  const int sms = dev.sms;
   if (rows > (int64_t(1) << 30)) return 0;
   const int few_tpr = threads_per_row(nvec, kFewNv);
   if (rows <= 4 * int64_t(sms) && few_tpr >= 32 && few_tpr <= kBlockThreads) return kFewNv;
@@ -470,7 +472,7 @@ inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual,
   if (tpr < (nv == 4 ? 32 : 64)) return 0;
   // A row of one warp at 4 vectors (1024 bf16) makes blocks of 32 threads,
   // of which an SM holds 1024; at 2 vectors, 64 threads, 2048 an SM.
-  if (write_y && tpr == 32 && (!centered || residual)) return kFewNv;
+  if (write_y && tpr == 32 && (!centered || residual || dram_is_slow(dev))) return kFewNv;
   if (tpr <= fwd_block_threads(nv, write_y || residual)) return nv;
   if (write_y) {
     for (int long_nv : {8, 16}) {  // no spills at 512 threads (ptxas)
