@@ -476,9 +476,9 @@ int main(int argc, char** argv) {
     // The handler's one-block-a-row forward as planned (h: with y; +r: the
     // residual add; stats +r: statistics and h only, as under jax.grad),
     // where it holds 4 or more vectors a thread.
-    // YOFF_KB=0,64,...: the planned one-block-a-row forward writing y at
-    // x + n + that many KB, in one allocation: whether where y lies against
-    // x changes what the same kernel takes.
+    // YOFF_KB=1,64,...: the planned one-block-a-row forward writing y at
+    // x + n + that many KB (1: right after x), in one allocation: whether
+    // where y lies against x changes what the same kernel takes.
     for (const auto& item : env_pairs("YOFF_KB", 1)) {
       const int nv = block_fwd_nv(c.rows, nvec, true, false, c.centered, info);
       if (nv <= kFewNv) break;

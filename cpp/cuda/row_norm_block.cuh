@@ -459,8 +459,8 @@ inline int fwd_cluster_parts(int64_t rows, int64_t row_vecs, const DeviceInfo& d
 // with scale, bias and residual loaded late (v14) through shared memory
 // (LateLoads, v18). Rows of one warp at 4 (1024 bf16) take 2 for RMSNorm
 // and for the residual add: 0.5-8% faster at 4096-262144 rows on an H200;
-// LayerNorm alone ran 0-8% slower that way there (v42), but 1.5-2.6% faster
-// at 65536x1024 on H100s, where DRAM is slow (v56).
+// LayerNorm alone ran 0-8% slower that way there (v42), but 1.2-2.6% faster
+// at 16384-262144 rows on H100s, where DRAM is slow (v56).
 inline int block_fwd_nv(int64_t rows, int64_t nvec, bool write_y, bool residual, bool centered,
                         const DeviceInfo& dev) {
   const int sms = dev.sms;
