@@ -250,7 +250,8 @@ def gpu_only(*cases):
 # the decode kernels (3x65536: the forward a cluster of 4 blocks of 8
 # vectors a thread, 8 where DRAM is slow; the backward a cluster of 8 blocks
 # a row). Over 528 rows:
-# one block a row at 1024-32768 wide (4 vectors a thread with y, 8 for
+# one block a row at 1024-32768 wide (4 vectors a thread with y, 2 at 1024
+# wide for RMSNorm and the adds, and for LayerNorm where DRAM is slow; 8 for
 # statistics only; with y, 8 at 32768), at 65536 a cluster of 4 blocks a
 # row (8 where DRAM is slow); the backward of rows over 2048 vectors in
 # clusters of 2-8 blocks, each a slice of the row (LayerNorm bf16: 3 at 32768,
