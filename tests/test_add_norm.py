@@ -88,29 +88,64 @@ def check_add_grads64(op, x, residual, scale, bias, zero_centered=False):
     forward's y dead: it writes h and the statistics only). The float64
     reference differentiates through the exact sum, the kernels through the
     rounded one: both give h's gradient to x and residual."""
-    _, centered, eps = ADD_OPS[op]
     dy, dh = rand(41, x.shape, x.dtype), rand(42, x.shape, x.dtype)
     f = functools.partial(add_call, op, zero_centered_scale=zero_centered)
     _, pullback = jax.vjp(f, x, residual, scale, bias)
     fused = jax.jit(lambda *a: jax.vjp(f, *a)[1]((dy, dh)))
+    want = add_grads64(op, x, residual, scale, bias, dy, dh, zero_centered)
+    for got in (jax.jit(pullback)((dy, dh)), fused(x, residual, scale, bias)):
+        assert_add_grads(got, want, (x, residual, scale, bias))
 
+
+def add_grads64(op, x, residual, scale, bias, dy, dh, zero_centered=False):
+    """Float64 autodiff's (dx, dresidual, dscale, dbias) for cotangents dy of
+    y and dh of h. The reference sees the rounded h as residual (x = 0), so
+    that it normalizes the row the kernels do."""
+    _, centered, eps = ADD_OPS[op]
     f64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-    # The reference sees the rounded h as residual (x = 0), so both normalize the same row.
-    h64 = f64(rounded_sum(x, residual))
     _, pull64 = jax.vjp(
         lambda h, s, b: add_jnp64(jnp.zeros_like(h), h, s, b, eps, centered, zero_centered),
-        h64, f64(scale), f64(bias),
+        f64(rounded_sum(x, residual)), f64(scale), f64(bias),
     )
     dh64, ds64, db64 = pull64((f64(dy), f64(dh)))
-    rows = x.size // x.shape[-1]
-    for got in (jax.jit(pullback)((dy, dh)), fused(x, residual, scale, bias)):
-        for g, want, arg, sums in zip(got, (dh64, dh64, ds64, db64), (x, residual, scale, bias),
-                                      (1, 1, rows, rows)):
-            if arg is None:
-                assert g is None
-                continue
-            assert g.dtype == arg.dtype and g.shape == arg.shape
-            assert_close(g, want, arg.dtype, scale=float(np.sqrt(sums)) * 4)
+    return dh64, dh64, ds64, db64
+
+
+def assert_add_grads(got, want, args):
+    rows = args[0].size // args[0].shape[-1]
+    for g, w, arg, sums in zip(got, want, args, (1, 1, rows, rows)):
+        if arg is None:
+            assert g is None
+            continue
+        assert g.dtype == arg.dtype and g.shape == arg.shape
+        assert_close(g, w, arg.dtype, scale=float(np.sqrt(sums)) * 4)
+
+
+@pytest.mark.parametrize("op", ADD_OPS)
+@pytest.mark.parametrize("shape,x_dtype,p_dtype", PLAN_CASES, ids=str)
+def test_backward_handler_given_residual(op, shape, x_dtype, p_dtype):
+    """The backward kernel given x and residual (and no statistics) forms h
+    itself, on every plan: the few-rows kernels as they load x, the others
+    from h formed in scratch."""
+    from jaxnorm import row_norm
+
+    _, centered, eps = ADD_OPS[op]
+    x, residual = rand(51, shape, x_dtype, offset=0.5), rand(52, shape, x_dtype)
+    scale, bias = add_params(op, 51, shape[-1:], p_dtype)
+    dy, dh = rand(53, shape, x_dtype), rand(54, shape, x_dtype)
+    none = jnp.zeros((0,), jnp.float32)
+    # The kernels take parameters of x's dtype or float32 (the ops cast others).
+    wide = p_dtype if jnp.dtype(p_dtype) in (jnp.dtype(x_dtype), jnp.float32) else jnp.float32
+
+    def bwd(x, residual, scale, dy, dh):
+        return row_norm.row_norm_bwd_kernel_p.bind(
+            x, scale.astype(wide), none, none, dy, dh, residual, epsilon=eps,
+            centered=centered, zero_centered=False, has_bias=centered, param_dtype=wide)
+
+    dx, dscale, dbias = jax.jit(bwd)(x, residual, scale, dy, dh)
+    want = add_grads64(op, x, residual, scale, bias, dy, dh)
+    got = (dx, dx, dscale.astype(p_dtype), None if bias is None else dbias.astype(p_dtype))
+    assert_add_grads(got, want, (x, residual, scale, bias))
 
 
 @pytest.mark.parametrize("op", ADD_OPS)
@@ -186,8 +221,8 @@ def test_zero_centered_grads(centered, dtype):
 
 
 def _custom_calls(text):
-    return [line for line in text.splitlines() if "jaxnorm_row_norm_fwd" in line
-            and "custom-call(" in line]
+    return [line for line in text.splitlines()
+            if 'custom_call_target="jaxnorm_row_norm_fwd"' in line and "custom-call(" in line]
 
 
 def _kernels_here():
@@ -242,6 +277,30 @@ def test_undonated_inputs_are_left_intact():
                                                   .astype(jnp.float32)))).lower(
         x, residual).compile().as_text()
     assert all("output_to_operand_aliasing" not in c for c in _custom_calls(text))
+
+
+@pytest.mark.skipif(not _kernels_here(), reason="no kernels here")
+@pytest.mark.parametrize("op", ADD_OPS)
+def test_backward_forms_h_where_the_forward_is_dead(op):
+    """Forward and backward in one jit with y and h both dead: up to 1 MiB of
+    h the backward is given x and residual and no forward is left; above, the
+    forward writes h for it. With h used, the forward runs."""
+    def grads_only(x, r, s, dy, dh):
+        return jax.vjp(lambda *a: add_call(op, *a, None), x, r, s)[1]((dy, dh))
+
+    def with_h(x, r, s, dy, dh):
+        (_, h), pullback = jax.vjp(lambda *a: add_call(op, *a, None), x, r, s)
+        return h, pullback((dy, dh))
+
+    for rows, f, forwards in ((4, grads_only, 0), (4, with_h, 1), (520, grads_only, 1)):
+        args = [rand(61 + k, (rows, 1024), jnp.float32) for k in range(2)]
+        args += [rand(63, (1024,), jnp.float32, 1.0)]
+        args += [rand(64 + k, (rows, 1024), jnp.float32) for k in range(2)]
+        assert len(_custom_calls(jax.jit(f).lower(*args).compile().as_text())) == forwards
+        got = jax.jit(f)(*args)
+        got = got if f is grads_only else got[1]
+        want = add_grads64(op, *args[:3], None, *args[3:])
+        assert_add_grads(got, want[:3], args[:3])
 
 
 # ------------------------------------------------------ transformations

@@ -386,8 +386,9 @@ def test_backward_handler_without_statistics(op, shape, x_dtype, p_dtype):
 
     def bwd(x, scale, dy):
         return row_norm.row_norm_bwd_kernel_p.bind(
-            x, scale.astype(wide), none, none, dy, jnp.zeros((0,), x.dtype), epsilon=eps,
-            centered=centered, zero_centered=False, has_bias=centered, param_dtype=wide)
+            x, scale.astype(wide), none, none, dy, jnp.zeros((0,), x.dtype),
+            jnp.zeros((0,), x.dtype), epsilon=eps, centered=centered, zero_centered=False,
+            has_bias=centered, param_dtype=wide)
 
     dx, dscale, dbias = jax.jit(bwd)(x, scale, dy)
     want = vjp64(x, scale, bias, dy, eps, centered, 1)
@@ -671,6 +672,8 @@ def _ffi(target, outs, *args, **attrs):
         ("bwd_dx", r"dx has shape \(4, 7\), expected \(4, 8\)"),
         ("bwd_dres", r"dres has shape \(3, 8\), expected \(4, 8\)"),
         ("bwd_mean_without_rstd", r"mean has shape \(4,\), expected \(0,\)"),
+        ("bwd_residual_shape", r"residual has shape \(4, 7\), expected \(4, 8\)"),
+        ("bwd_residual_with_stats", "a backward given residual takes no mean or rstd"),
     ],
 )
 def test_handlers_reject_inconsistent_buffers(case, match):
@@ -680,7 +683,7 @@ def test_handlers_reject_inconsistent_buffers(case, match):
     fwd_args = dict(x=x, scale=e, bias=e, residual=e)
     fwd_outs = dict(y=sd((4, 8), f32), mean=sd((0,), f32), rstd=sd((4,), f32),
                     new_residual=sd((0,), f32))
-    bwd_args = dict(x=x, scale=e, mean=e, rstd=jnp.ones((4,), f32), dy=x, dres=e)
+    bwd_args = dict(x=x, scale=e, mean=e, rstd=jnp.ones((4,), f32), dy=x, dres=e, residual=e)
     bwd_outs = dict(dx=sd((4, 8), f32), dscale=sd((0,), f32), dbias=sd((0,), f32))
     changes = {
         "rstd_rows": dict(rstd=sd((3,), f32)),
@@ -694,6 +697,8 @@ def test_handlers_reject_inconsistent_buffers(case, match):
         "bwd_dx": dict(dx=sd((4, 7), f32)),
         "bwd_dres": dict(dres=jnp.ones((3, 8), f32)),
         "bwd_mean_without_rstd": dict(mean=jnp.ones((4,), f32), rstd=e),
+        "bwd_residual_shape": dict(residual=jnp.ones((4, 7), f32), rstd=e),
+        "bwd_residual_with_stats": dict(residual=x),
     }[case]
     bwd = case.startswith("bwd")
     args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
@@ -728,7 +733,7 @@ def test_reference_implementation(centered):
     no_stats = jnp.zeros((0,), jnp.float32)
     for stats in ((mean, rstd), (no_stats, no_stats)):  # kept by the forward, or not
         dx, ds, db = row_norm._bwd_kernel_reference(
-            x, scale, *stats, dy, no_stats, epsilon=1e-5, centered=centered,
+            x, scale, *stats, dy, no_stats, no_stats, epsilon=1e-5, centered=centered,
             zero_centered=False, has_bias=centered, param_dtype=jnp.float32,
         )
         assert_close(dx, want[0], jnp.float32)

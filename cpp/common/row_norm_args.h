@@ -5,12 +5,16 @@
 //   row_norm_fwd(x[R,H], scale[H|0], bias[H|0], residual[R,H|0])
 //       -> y[R,H] (or [R,0]: statistics only), mean[R|0], rstd[R],
 //          new_residual[R,H|0]
-//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R|0], dy[R,H], dres[R,H|0])
+//   row_norm_bwd(x[R,H], scale[H|0], mean[R|0], rstd[R|0], dy[R,H], dres[R,H|0],
+//                residual[R,H|0])
 //       -> dx[R,H], dscale[H|0], dbias[H|0]
 //
 // A backward without statistics (rstd and mean both [0]) computes them from x
 // itself, with the forward's epsilon: the lowering passes none where the
 // forward ran only to compute them (its output dead, as under jax.grad).
+// Given a residual (and then no statistics), the backward normalizes
+// h = x + residual, formed as the forward forms it, so that a forward whose
+// outputs are all dead need not run to write h.
 //
 // With a residual the forward normalizes h = x + residual (rounded to x's
 // dtype) and writes h to new_residual, which may alias residual; the backward
@@ -31,6 +35,7 @@ struct RowNormShape {
   bool has_bias = false;
   bool has_residual = false;  // forward: residual; backward: dres
   bool has_stats = true;      // backward: false to compute them from x
+  bool forms_h = false;       // backward: given residual, it normalizes x + residual
 };
 
 inline ffi::Error check_rows(const AnyBuffer& x, RowNormShape* s) {
@@ -128,8 +133,8 @@ inline ffi::Error check_row_norm_fwd(const AnyBuffer& x, const AnyBuffer& scale,
 inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
                                      const AnyBuffer& mean,
                                      const AnyBuffer& rstd, const AnyBuffer& dy,
-                                     const AnyBuffer& dres, const AnyBuffer& dx,
-                                     const AnyBuffer& dscale,
+                                     const AnyBuffer& dres, const AnyBuffer& residual,
+                                     const AnyBuffer& dx, const AnyBuffer& dscale,
                                      const AnyBuffer& dbias, double epsilon,
                                      bool centered, RowNormShape* s) {
   JAXNORM_RETURN_IF_ERROR(check_rows(x, s));
@@ -151,6 +156,12 @@ inline ffi::Error check_row_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
   JAXNORM_RETURN_IF_ERROR(check_stats(x, mean, rstd, centered, *s));
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->rows, s->hidden}));
   JAXNORM_RETURN_IF_ERROR(check_optional_rows(x, dres, "dres", *s, &s->has_residual));
+  JAXNORM_RETURN_IF_ERROR(check_optional_rows(x, residual, "residual", *s, &s->forms_h));
+  if (s->forms_h && s->has_stats && s->rows != 0) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: a backward given residual takes no mean or rstd: it computes "
+        "the statistics of x + residual");
+  }
   JAXNORM_RETURN_IF_ERROR(expect_dims(dx, "dx", {s->rows, s->hidden}));
   JAXNORM_RETURN_IF_ERROR(expect_dtype(dx, "dx", x.element_type()));
   return check_epsilon(epsilon);
@@ -181,6 +192,7 @@ auto bind_row_norm_bwd(B binding) {
       .template Arg<AnyBuffer>()            // rstd
       .template Arg<AnyBuffer>()            // dy
       .template Arg<AnyBuffer>()            // dres
+      .template Arg<AnyBuffer>()            // residual
       .template Ret<AnyBuffer>()            // dx
       .template Ret<AnyBuffer>()            // dscale
       .template Ret<AnyBuffer>()            // dbias

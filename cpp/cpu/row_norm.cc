@@ -42,18 +42,22 @@ void row_stats(const X* x, int64_t hidden, bool centered, double epsilon,
   *rstd = A(1) / std::sqrt(ss / A(hidden) + A(epsilon));
 }
 
-// The row the norm reads: x's, or h = x + residual rounded to X, written to
-// new_residual first. Each element of residual is read before the same
-// element of new_residual is written, so the two may alias.
+// h = x + residual over one row of `hidden`, rounded to X as the unfused sum
+// would be. Each element of residual is read before the same element of out
+// is written, so the two may alias.
+template <typename X>
+void add_row(const X* x, const X* residual, X* out, int64_t hidden) {
+  using A = acc_t<X>;
+  for (int64_t j = 0; j < hidden; ++j) store(out, j, load<A>(x, j) + load<A>(residual, j));
+}
+
+// The row the norm reads: x's, or h written to new_residual first.
 template <typename X>
 const X* input_row(const RowNormShape& s, int64_t r, const X* x, const X* residual,
                    X* new_residual) {
-  using A = acc_t<X>;
   const int64_t base = r * s.hidden;
   if (!s.has_residual) return x + base;
-  for (int64_t j = 0; j < s.hidden; ++j) {
-    store(new_residual, base + j, load<A>(x, base + j) + load<A>(residual, base + j));
-  }
+  add_row(x + base, residual + base, new_residual + base, s.hidden);
   return new_residual + base;
 }
 
@@ -84,11 +88,12 @@ void fwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centere
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) [+ dres], g = dy * scale,
 // with the mean(g) term only for LayerNorm; dscale = sum_rows dy * xhat,
 // dbias = sum dy. Without saved statistics (mean_in, rstd_in null), each row's
-// are computed from x as the forward does.
+// are computed from x as the forward does; given a residual, from h = x +
+// residual, which then stands for x.
 template <typename X, typename G, typename W>
 void bwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centered, const X* x,
          const W* scale, const void* mean_in, const void* rstd_in, const G* dy,
-         const X* dres, X* dx, W* dscale, W* dbias) {
+         const X* dres, const X* residual, X* dx, W* dscale, W* dbias) {
   using A = acc_t<X>;
   const A offset = zero_centered ? A(1) : A(0);
   auto* mean_p = static_cast<const A*>(mean_in);
@@ -96,18 +101,24 @@ void bwd(const RowNormShape& s, bool centered, double epsilon, bool zero_centere
   std::vector<A> dscale_acc(s.has_scale ? s.hidden : 0, A(0));
   std::vector<A> dbias_acc(s.has_bias ? s.hidden : 0, A(0));
   std::vector<A> g(s.hidden), xhat(s.hidden);
+  std::vector<X> h(s.forms_h ? s.hidden : 0);
   for (int64_t r = 0; r < s.rows; ++r) {
     int64_t base = r * s.hidden;
+    const X* xr = x + base;
+    if (s.forms_h) {
+      add_row(xr, residual + base, h.data(), s.hidden);
+      xr = h.data();
+    }
     A mean, rstd;
     if (s.has_stats) {
       mean = centered ? mean_p[r] : A(0);
       rstd = rstd_p[r];
     } else {
-      row_stats(x + base, s.hidden, centered, epsilon, &mean, &rstd);
+      row_stats(xr, s.hidden, centered, epsilon, &mean, &rstd);
     }
     for (int64_t j = 0; j < s.hidden; ++j) {
       A d = load<A>(dy, base + j);
-      xhat[j] = (load<A>(x, base + j) - mean) * rstd;
+      xhat[j] = (load<A>(xr, j) - mean) * rstd;
       g[j] = s.has_scale ? d * (load<A>(scale, j) + offset) : d;
       if (s.has_scale) dscale_acc[j] += d * xhat[j];
       if (s.has_bias) dbias_acc[j] += d;
@@ -162,12 +173,12 @@ ffi::Error row_norm_fwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias,
 
 ffi::Error row_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer mean,
                              AnyBuffer rstd, AnyBuffer dy, AnyBuffer dres,
-                             ffi::Result<AnyBuffer> dx,
+                             AnyBuffer residual, ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
                              ffi::Result<AnyBuffer> dbias, double epsilon,
                              bool centered, bool zero_centered) {
   RowNormShape s;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, residual, *dx,
                                              *dscale, *dbias, epsilon, centered, &s));
   return dispatch_row_types(
       x.element_type(), dy.element_type(), param_dtype(x, scale, *dbias, s),
@@ -181,6 +192,7 @@ ffi::Error row_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer mean,
                      mean.untyped_data(), rstd.untyped_data(),
                      static_cast<const G*>(dy.untyped_data()),
                      static_cast<const X*>(dres.untyped_data()),
+                     static_cast<const X*>(residual.untyped_data()),
                      static_cast<X*>(dx->untyped_data()),
                      static_cast<W*>(dscale->untyped_data()),
                      static_cast<W*>(dbias->untyped_data()));

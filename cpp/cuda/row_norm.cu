@@ -40,14 +40,17 @@ inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t by
 }
 
 // For a backward given no statistics whose kernel reads them (the long
-// path): the statistics-only forward into scratch, then a.mean, a.rstd point
-// there.
+// path), or given a residual on a plan that reads h: the statistics-only
+// forward into scratch, which forms h there too; then a.mean, a.rstd (and
+// a.x) point there.
 template <typename X, typename W, int VEC>
 ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
                               ffi::ScratchAllocator& scratch, BwdArgs& a) {
   using A = acc_t<X>;
   if (a.rstd != nullptr) return ffi::Error::Success();
-  auto mem = scratch.Allocate(2 * size_t(a.rows) * sizeof(A), 16);
+  const size_t stats_bytes = (2 * size_t(a.rows) * sizeof(A) + 15) / 16 * 16;
+  const size_t h_bytes = a.residual ? size_t(a.rows) * size_t(a.hidden) * sizeof(X) : 0;
+  auto mem = scratch.Allocate(stats_bytes + h_bytes, 16);
   if (!mem.has_value()) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
                       "jaxnorm: cannot allocate scratch for row_norm_bwd's statistics");
@@ -56,9 +59,15 @@ ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
   A* mean = rstd + a.rows;
   FwdArgs f{a.x, nullptr, nullptr, nullptr, mean, rstd, a.rows, a.hidden, 0, 0,
             a.epsilon, a.centered, false, false, /*write_y=*/false, false};
+  if (a.residual != nullptr) {
+    f.residual = a.residual;
+    f.new_residual = static_cast<char*>(*mem) + stats_bytes;
+  }
   JAXNORM_RETURN_IF_ERROR((launch_fwd_vec<X, X, W, VEC>(stream, dev, f)));
   a.mean = mean;
   a.rstd = rstd;
+  if (a.residual != nullptr) a.x = f.new_residual;
+  a.residual = nullptr;
   return ffi::Error::Success();
 }
 
@@ -71,11 +80,14 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
       return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
     }
-    if constexpr (sizeof(X) == 2 && std::is_same_v<X, G>) {
-      if (roles_serve(a, dev)) {
-        JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, roles_partial_bytes(a, dev), a));
-        return cuda_error(launch_bwd_roles<X, W>(stream, dev, a), "row_norm_bwd");
-      }
+  }
+  if (a.residual != nullptr) {  // the plans below read h
+    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W, VEC>(stream, dev, scratch, a)));
+  }
+  if constexpr (VEC > 1 && sizeof(X) == 2 && std::is_same_v<X, G>) {
+    if (roles_serve(a, dev)) {
+      JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, roles_partial_bytes(a, dev), a));
+      return cuda_error(launch_bwd_roles<X, W>(stream, dev, a), "row_norm_bwd");
     }
   }
   const int regions = int(a.has_scale) + int(a.has_bias);
@@ -142,13 +154,13 @@ ffi::Error row_norm_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
 ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
                              ffi::ScratchAllocator scratch, AnyBuffer x,
                              AnyBuffer scale, AnyBuffer mean, AnyBuffer rstd,
-                             AnyBuffer dy, AnyBuffer dres,
+                             AnyBuffer dy, AnyBuffer dres, AnyBuffer residual,
                              ffi::Result<AnyBuffer> dx,
                              ffi::Result<AnyBuffer> dscale,
                              ffi::Result<AnyBuffer> dbias, double epsilon,
                              bool centered, bool zero_centered) {
   RowNormShape s;
-  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, *dx,
+  JAXNORM_RETURN_IF_ERROR(check_row_norm_bwd(x, scale, mean, rstd, dy, dres, residual, *dx,
                                              *dscale, *dbias, epsilon, centered, &s));
   if (s.hidden == 0) return ffi::Error::Success();
   if (s.rows == 0) {  // empty batch: parameter gradients are zero
@@ -166,6 +178,7 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
             nullptr, dscale->untyped_data(), dbias->untyped_data(),
             s.rows, s.hidden, 0, 0, centered, s.has_scale, s.has_bias, false};
   if (s.has_residual) a.dres = dres.untyped_data();
+  if (s.forms_h) a.residual = residual.untyped_data();
   if (!s.has_stats) a.mean = a.rstd = nullptr;
   a.epsilon = epsilon;
   a.scale_offset = zero_centered ? 1.0f : 0.0f;
@@ -176,7 +189,8 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        return with_vec<X>(s.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres},
+        return with_vec<X>(s.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres,
+                                        a.residual},
                            [&](auto v) {
                              return launch_bwd_vec<X, G, W, decltype(v)::value>(
                                  stream, dev, scratch, a);

@@ -609,7 +609,8 @@ using RowTerms = Packed<A, 4>;
 // (else RMSNorm). kOwn: no statistics given (a.rstd null, the forward's
 // output dead): the block computes them from the x it holds, in the same
 // reduction as the dots (RowDots), which spares the statistics-only forward
-// a launch. kRowVecs > 0: rows of exactly that many vectors (RowSpan).
+// a launch. Given a residual (kOwn then), h = x + residual stands for x.
+// kRowVecs > 0: rows of exactly that many vectors (RowSpan).
 template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots, bool kOwn,
           int kRowVecs = 0>
 __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
@@ -627,6 +628,13 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), span);
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
   load_row(gv, static_cast<const G*>(a.dy) + row * hidden, span);
+  const X* res = static_cast<const X*>(a.residual) + row * hidden;
+  if (a.residual != nullptr) {
+    RegVec<X, VEC> rv[NV];
+    load_row(rv, res, span);
+#pragma unroll
+    for (int i = 0; i < NV; ++i) add_vec(xv[i], rv[i]);
+  }
   Dres<X, VEC> dres[NV];
   if constexpr (!kDots) {
 #pragma unroll
@@ -638,8 +646,9 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if constexpr (!kOwn) {
     mean = kCentered ? static_cast<const A*>(a.mean)[row] : A(0);
     rstd = static_cast<const A*>(a.rstd)[row];
-  } else if constexpr (kCentered) {
+  } else if constexpr (kCentered) {  // any shift near the mean will do: h's first, unrounded
     mean = to_acc(static_cast<const X*>(a.x)[row * hidden]);
+    if (a.residual != nullptr) mean += to_acc(res[0]);
   }
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
   auto g = [&](int k) {
@@ -701,7 +710,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
 // its columns over all rows itself (row slots of a warp by slot_sum_scatter,
 // then the warps in order: the same bits on every run) and writes them; with each
 // row's dots from a.partial it also writes dx. A warp covers 8 rows of 64
-// bytes.
+// bytes. Given a residual, it adds it to x as bwd_few does.
 constexpr int kColVecs = 4, kColThreads = 256, kColRows = kColThreads / kColVecs, kColBatch = 4;
 
 // Sums v over the lanes that share lane % kColVecs, in place. Each step
@@ -746,7 +755,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
   // compiler moves no load past a store (inline PTX), so a row at a time cost
   // a memory round trip a row (benchmarks/NOTES.md, v12).
   for (int64_t first = slot; in && first < a.rows; first += kColBatch * kColRows) {
-    RegVec<X, VEC> xv[kColBatch];
+    RegVec<X, VEC> xv[kColBatch], rv[kColBatch];
     RegVec<G, VEC> gv[kColBatch];
     Dres<X, VEC> dres[kColBatch];
     RowTerms<A> terms_of[kColBatch];
@@ -755,6 +764,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
       if (row >= a.rows) continue;
       xv[u].load(static_cast<const X*>(a.x) + at);
+      if (a.residual != nullptr) rv[u].load(static_cast<const X*>(a.residual) + at);
       gv[u].load(static_cast<const G*>(a.dy) + at);
       dres[u].load(a, at);
       terms_of[u] = terms[row];
@@ -763,6 +773,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
     for (int u = 0; u < kColBatch; ++u) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
       if (row >= a.rows) continue;
+      if (a.residual != nullptr) add_vec(xv[u], rv[u]);
       const auto [c_gx, c_g, mean, rstd] = terms_of[u].v;
       A o[VEC];
 #pragma unroll

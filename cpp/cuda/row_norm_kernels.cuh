@@ -76,6 +76,9 @@ struct BwdArgs {
   bool centered, has_scale, has_bias;
   bool stage_params;  // scale staged in shared memory, after the accumulators
   const void* dres = nullptr;  // added to dx: the cotangent of new_residual
+  // Given (row_norm_args.h), x + residual is what the backward normalizes:
+  // the few-rows kernels add it as they load x; other plans get it in scratch.
+  const void* residual = nullptr;
   float scale_offset = 0;
   int parts = 1;  // blocks (a cluster) sharing each row, a slice of it each
   // mean and rstd null: the register path computes each row's statistics from
@@ -225,13 +228,19 @@ __device__ __forceinline__ void load_scale(A (&w)[VEC], const W* p, float offset
 }
 
 // The fused residual add of one vector: x becomes h = x + r, rounded to X as
-// the unfused sum would be, and is stored to `out` (new_residual).
+// the unfused sum would be.
 template <int VEC, typename X>
-__device__ __forceinline__ void add_store(RegVec<X, VEC>& x, const RegVec<X, VEC>& r, X* out) {
+__device__ __forceinline__ void add_vec(RegVec<X, VEC>& x, const RegVec<X, VEC>& r) {
   acc_t<X> h[VEC];
 #pragma unroll
   for (int e = 0; e < VEC; ++e) h[e] = x.get(e) + r.get(e);
   x.pack(h);
+}
+
+// add_vec, then h stored to `out` (new_residual).
+template <int VEC, typename X>
+__device__ __forceinline__ void add_store(RegVec<X, VEC>& x, const RegVec<X, VEC>& r, X* out) {
+  add_vec(x, r);
   x.store_global(out);
 }
 
