@@ -207,11 +207,13 @@ def _stats_only_forward(rstd) -> ir.Operation | None:
     return op if _shape(y)[-1:] == [0] and _shape(x)[-1:] != [0] else None
 
 
-# Where the backward forms h = x + residual itself, h's bytes at most: reading
-# the residual once more then costs at most ~0.3 us (at 3 TB/s) where the
-# forward runs anyway (h used elsewhere), against a launch (~1.5-2 us) saved
-# where nothing else reads h.
-_RECOMPUTE_H_BYTES = 1 << 20
+# Where the backward forms h = x + residual itself, h's bytes at most. Where
+# nothing else reads h that saves the forward's launch, 1.3-1.6 us; where h
+# is read elsewhere (a model's residual stream) the forward runs anyway and
+# the backward's extra loads cost 0.05 us up to 64 KiB, 0.26 at 512 KiB and
+# 0.5 at 1 MiB on an H100 (benchmarks/recompute_h.py, notes v57). Models
+# read h: the limit keeps their cost at 1%.
+_RECOMPUTE_H_BYTES = 1 << 16
 
 
 def _drop_recomputable_stats(ctx, args, **_):
@@ -224,8 +226,8 @@ def _drop_recomputable_stats(ctx, args, **_):
     With a residual the backward reads h, the forward's new_residual. For
     small h (_RECOMPUTE_H_BYTES) it is given the forward's x and residual
     instead and forms h itself, so that the forward goes too where nothing
-    else reads h; for larger h that would cost a read of the size of h
-    wherever h is read elsewhere, as in a model's residual stream."""
+    else reads h; for larger h the extra loads would cost too much wherever
+    h is read elsewhere, as in a model's residual stream."""
     x, rstd = args[0], args[3]
     fwd = _stats_only_forward(rstd)
     if fwd is None:
