@@ -628,8 +628,9 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), span);
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
   load_row(gv, static_cast<const G*>(a.dy) + row * hidden, span);
-  const X* res = static_cast<const X*>(a.residual) + row * hidden;
-  if (a.residual != nullptr) {
+  const X* res = static_cast<const X*>(a.residual);
+  if (res != nullptr) {
+    res += row * hidden;
     RegVec<X, VEC> rv[NV];
     load_row(rv, res, span);
 #pragma unroll
@@ -648,7 +649,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
     rstd = static_cast<const A*>(a.rstd)[row];
   } else if constexpr (kCentered) {  // any shift near the mean will do: h's first, unrounded
     mean = to_acc(static_cast<const X*>(a.x)[row * hidden]);
-    if (a.residual != nullptr) mean += to_acc(res[0]);
+    if (res != nullptr) mean += to_acc(res[0]);
   }
   // g = dy * scale and xhat of the thread's element k (g is 0 past the row's end)
   auto g = [&](int k) {
