@@ -129,6 +129,8 @@ def test_backward_handler_given_residual(op, shape, x_dtype, p_dtype):
     from h formed in scratch."""
     from jaxnorm import row_norm
 
+    if jax.default_backend() != "gpu" and np.prod(shape) > 1 << 20:
+        pytest.skip("sizes for a GPU plan: the CPU handler has one way")
     _, centered, eps = ADD_OPS[op]
     x, residual = rand(51, shape, x_dtype, offset=0.5), rand(52, shape, x_dtype)
     scale, bias = add_params(op, 51, shape[-1:], p_dtype)
