@@ -135,7 +135,7 @@ def _bwd_kernel_abstract(x, scale, mean, rstd, dy, dres, residual, *, epsilon, c
 
 def _bwd_kernel_reference(x, scale, mean, rstd, dy, dres, residual, *, epsilon, centered,
                           zero_centered, has_bias, param_dtype):
-    if residual.size:  # x + residual is what was normalized (_recompute_h)
+    if residual.size:  # h = x + residual is what was normalized (_drop_recomputable_stats)
         x = _add_residual(x, residual)
     if x.shape[0] and _is_placeholder(rstd):  # statistics not kept: from x
         _, mean, rstd = _row_stats(x, (), x.shape[1], epsilon, centered)
@@ -234,16 +234,15 @@ def _drop_recomputable_stats(ctx, args, **_):
         return ctx, args
     fwd_x, fwd_residual = fwd.operands[0], fwd.operands[3]
     avals = list(ctx.avals_in)
-    h_aval = avals[0]
-    if _shape(fwd_residual) == [0]:
+    if _shape(fwd_residual) == [0]:  # the backward reads the forward's x
         if _unreshaped(fwd_x) != _unreshaped(x):
             return ctx, args
-    elif (_unreshaped(x) != _unreshaped(fwd.results[3])
-          or h_aval.size * h_aval.dtype.itemsize > _RECOMPUTE_H_BYTES):
-        return ctx, args
-    else:  # the forward's operands have the backward's shape: (rows, hidden)
-        args = (fwd_x, *args[1:6], fwd_residual)
-        avals[6] = h_aval
+    else:  # the backward reads h, the forward's new_residual
+        h_bytes = avals[0].size * avals[0].dtype.itemsize
+        if _unreshaped(x) != _unreshaped(fwd.results[3]) or h_bytes > _RECOMPUTE_H_BYTES:
+            return ctx, args
+        args = (fwd_x, *args[1:6], fwd_residual)  # both (rows, hidden), as h
+        avals[6] = avals[0]
     absent = jax.core.ShapedArray((0,), avals[3].dtype)
     none = mlir.ir_constant(np.zeros((0,), absent.dtype))
     avals[2] = avals[3] = absent
