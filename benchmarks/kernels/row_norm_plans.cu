@@ -342,6 +342,14 @@ int main(int argc, char** argv) {
       time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
                own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+      // A split planned with bulk copies (split_loads_in_bulk), again with
+      // its slices by each thread's cp.async (sc).
+      if (l.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false, true)) {
+        auto lc = l;
+        lc.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
+        time_bwd(" sc", own_plan.tpr, 1, lc.grid, lc.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
+      }
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
         if (lq.smem > info.max_dynamic_smem) return;

@@ -381,6 +381,58 @@ struct Ring {
   }
 };
 
+// bwd_regs' kBulk: a split block's x and dy reach a stage of the ring as
+// one bulk copy (TMA) each, issued by thread 0, in place of each thread's
+// cp.async of its own vectors (~140 of the ~1060 instructions a thread spent
+// on a row of RMSNorm's split at 65536 wide, sm_90 SASS). With one row a
+// block and tpr == blockDim, a block's slice of a row and its place in a
+// stage (Ring::at) are both contiguous. full[s] completes as stage s's bytes
+// land; empty[s] once every thread is done reading it (every thread arrives:
+// an arrive releases only its own thread's reads, benchmarks/NOTES.md v48).
+// Thread 0 refills the stage of the row before after the current row's
+// cluster sums, which every warp sends only after reading that row: the wait
+// on empty[s] then never holds warp 0. Refilled at the row's start instead,
+// as the cp.async ring does, the wait held warp 0, and with it the cluster's
+// sums (LayerNorm 8192x12288 2.3x as long); refilled there only where the
+// stage was empty already, RMSNorm 512x65536 gained 1% where the refill after
+// the sums gained 7% (benchmarks/NOTES.md v58).
+template <int kStages>
+struct BulkFill {
+  struct Shared {
+    uint64_t full[kStages], empty[kStages];
+  };
+  Shared& sh;
+  uint32_t full_phase = 0, empty_phase = 0, filled = 0;  // a bit a stage
+
+  // Thread 0; made visible by the cluster barrier of ClusterSum::init.
+  __device__ void init() const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sh.full[s], 1);
+      mbar_init(&sh.empty[s], blockDim.x);
+    }
+    fence_mbar_init();
+  }
+  // Thread 0: copies `bytes` from each of x and dy into their places in
+  // stage s, once it is empty.
+  __device__ void fill(int s, void* x_at, const void* x, void* dy_at, const void* dy,
+                       uint32_t bytes) {
+    if (filled >> s & 1) {
+      mbar_wait(&sh.empty[s], empty_phase >> s & 1);
+      empty_phase ^= 1u << s;
+    }
+    filled |= 1u << s;
+    mbar_expect(&sh.full[s], 2 * bytes);
+    bulk_load(x_at, x, bytes, &sh.full[s]);
+    bulk_load(dy_at, dy, bytes, &sh.full[s]);
+  }
+  __device__ void wait(int s) {
+    mbar_wait(&sh.full[s], full_phase >> s & 1);
+    full_phase ^= 1u << s;
+  }
+  __device__ void release(int s) const { mbar_arrive(&sh.empty[s]); }
+};
+
 // A thread's place on the register path: its lane within its row, its row's
 // slot within the block, and the row length in vectors.
 // With `parts` blocks a row, block part p of its cluster takes the row's
@@ -793,7 +845,7 @@ inline bool split_fits_slots(int parts, int threads) {
 // (more with kAccInRegs), where by itself it gave some instantiations 64 and
 // spilled (float32 with a cluster a row: 16 bytes).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs>
+          bool kAccInRegs, bool kBulk = false>
 __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads, 1)
     bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
@@ -812,6 +864,10 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   const int parts = kSplit ? a.parts : 1;
   const RowThread<A> t(a.tpr, a.hidden, VEC, parts);
   Cluster cluster_sum(cluster_shared);
+  static_assert(!kBulk || (kSplit && R::kStaged && sizeof(G) == sizeof(X)));
+  __shared__ typename BulkFill<R::kStages>::Shared bulk_shared;
+  BulkFill<R::kStages> bulk{bulk_shared};
+  if constexpr (kBulk) bulk.init();
   if constexpr (kSplit) cluster_sum.init();
   const bool has_stats = a.rstd != nullptr;
   const int regions = int(a.has_scale) + int(a.has_bias);
@@ -849,6 +905,16 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
                  reinterpret_cast<W*>(dyn + M::scale(blockDim.x, regions)));
   }
   const A scale_offset = a.has_scale ? A(a.scale_offset) : A(0);
+  // Thread 0's fill of group g's row into `stage` (BulkFill).
+  auto fill = [&](int stage, int64_t g) {
+    const int64_t row = g * a.rows_per_block + t.slot;
+    if (threadIdx.x != 0 || row >= a.rows) return;
+    const int64_t base = row * a.hidden + t.col0;
+    bulk.fill(stage, ring.at(stage, 0, 0), static_cast<const X*>(a.x) + base,
+              ring.at(stage, 1, 0), static_cast<const G*>(a.dy) + base,
+              uint32_t(t.nvec * VEC * sizeof(X)));
+  };
+  bool priming = true;  // (BulkFill: the first stages are filled at once)
   // Starts the copies of group g's row: x, dy and the row's statistics (or
   // LayerNorm's shift: sizeof(A) bytes from the row's start, whole elements).
   auto issue = [&](int stage, int64_t g) {
@@ -856,8 +922,12 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
     if constexpr (R::kStaged) {
       if (row >= a.rows) return;
       const int64_t base = row * a.hidden + t.col0;
-      ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
-      ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
+      if constexpr (kBulk) {
+        if (priming) fill(stage, g);
+      } else {
+        ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
+        ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
+      }
       if (!kPlain && a.dres != nullptr && t.lane == 0) {  // dres, a row ahead of its use
         prefetch_l2(static_cast<const X*>(a.dres) + base, uint32_t(t.nvec * VEC * sizeof(X)));
       }
@@ -873,11 +943,13 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   };
   const int64_t first_grp = blockIdx.x / parts, grp_stride = gridDim.x / parts;
   R::Stages::prime(issue, first_grp, grp_stride);
+  priming = false;
   int stage = 0;
   for (int64_t grp = first_grp; grp * a.rows_per_block < a.rows; grp += grp_stride) {
     R::Stages::advance(stage, grp, grp_stride, issue);
     const int cur = stage;
     stage = (stage + 1) % R::kStages;
+    if constexpr (kBulk) bulk.wait(cur);
     const int64_t row = grp * a.rows_per_block + t.slot;
     const bool valid = row < a.rows;
     const int64_t base = row * a.hidden + t.col0;
@@ -992,6 +1064,10 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
         row_sums(s, a.tpr);
         if constexpr (kSplit) cluster_sum(s, parts);
       }
+      // The stage of the row before, refilled (BulkFill).
+      if constexpr (kBulk) {
+        fill((cur + R::kStages - 1) % R::kStages, grp + (R::kStages - 1) * grp_stride);
+      }
       row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
     };
     using Mode = RowDots;
@@ -1028,6 +1104,8 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       if constexpr (!kPlain) dres[i].add_to(o, a);
       store_vec(dxr + c * VEC, o);
     }
+    // (A split's rows are all valid: one a block, launch_bwd.)
+    if constexpr (kBulk) bulk.release(cur);
   }
   cp_async_wait<0>();
   if constexpr (kAccInRegs) {
@@ -1277,10 +1355,16 @@ constexpr bool may_hold_acc_in_regs() {
   return VEC > 1 && sizeof(X) == 2 && M::scale(kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
-// The register path's kernel: kPlain, kSplit and kAccInRegs as the launch needs.
+// The register path's kernel: kPlain, kSplit, kAccInRegs and kBulk as the
+// launch needs (kBulk: 16-bit x and dy, plain, split, accumulators shared).
 template <typename X, typename G, typename W, int VEC>
-void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs))(BwdArgs) {
+void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = false))(BwdArgs) {
   constexpr int NV = kMaxBwdNv;
+  if constexpr (sizeof(X) == 2 && sizeof(G) == 2 && Ring<VEC, NV, 2>::kStaged) {
+    if (bulk && plain && split && !acc_in_regs) {
+      return &bwd_regs<X, G, W, VEC, NV, true, true, false, true>;
+    }
+  }
   if constexpr (may_hold_acc_in_regs<X, G, VEC>()) {
     if (acc_in_regs) {
       return split ? &bwd_regs<X, G, W, VEC, NV, true, true, true>
@@ -1315,6 +1399,20 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   return p;
 }
 
+// Whether a split's blocks load their slices by bulk copies (bwd_regs'
+// kBulk): RMSNorm's, in blocks of at least two warps at 3-4 vectors a
+// thread. On an H100 (bf16, computing the statistics, benchmarks/NOTES.md
+// v58; GB/s): 512x65536 2390 -> 2568, 1024x49152 2555 -> 2574, 2048x16392
+// 2375 -> 2412, 4096x12288 2499 -> 2549, 8192x12288 2596 -> 2633; at 2
+// vectors a thread (2048x32768) 15% slower, in blocks of a warp (16384x4096)
+// 14%, and LayerNorm's splits by up to 4%. Every block needs a slice: its
+// threads wait for their stage's bytes.
+inline bool split_loads_in_bulk(const RowPlan& p, int64_t nvec, int regions) {
+  if (p.parts < 2 || regions > 1 || p.tpr < 64) return false;
+  const int64_t span = (nvec + p.parts - 1) / p.parts;
+  return span > 2 * int64_t(p.tpr) && nvec > (p.parts - 1) * span;
+}
+
 // Whether a backward launch of `plan` holds dscale/dbias in registers:
 // where the two of them in shared memory leave the SM one block anyway
 // (LayerNorm bf16 4096x8192 88 -> 78 us, 8192x12288 208 -> 181 on an H200,
@@ -1336,7 +1434,8 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
     const bool acc_in_regs = bwd_acc_in_regs<X, G, W, VEC>(plan, hidden, regions, plain);
-    l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs);
+    l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs,
+                                             split_loads_in_bulk(plan, hidden / VEC, regions));
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
     // at the cost of a second block on the SM (v14).
@@ -1566,8 +1665,11 @@ cudaError_t launch_bwd(cudaStream_t stream, const BwdLaunch<X, G, W, VEC>& l,
   a.parts = l.plan.parts;
   a.stage_params = l.stage_scale;
   const size_t partial = l.partial_bytes(a.hidden);
-  if (l.plan.parts > 1 && !split_fits_slots(l.plan.parts, l.plan.threads())) {
-    return cudaErrorInvalidConfiguration;  // the cluster's sums would overrun their slots
+  if (l.plan.parts > 1 &&
+      (!split_fits_slots(l.plan.parts, l.plan.threads()) || l.plan.rows_per_block != 1)) {
+    // The cluster's sums would overrun their slots; a row past the end
+    // would leave its stage unreleased (BulkFill).
+    return cudaErrorInvalidConfiguration;
   }
   if (l.plan.nv == 0 && partial > 0) {
     cudaError_t err = cudaMemsetAsync(a.partial, 0, partial, stream);
