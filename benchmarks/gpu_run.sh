@@ -8,7 +8,7 @@
 # Llama-style model benchmark, "unet", the convolutional models' benchmark
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
-# -k SANITIZE_K; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
+# -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards, SANITIZE_P at a time; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
 # orderings alone; "channel_plans", kernels/channel_plans.cu: these two and
 # "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
 # BENCH_ARGS
@@ -88,16 +88,37 @@ fi
 if step sanitize; then
   # XLA's platform allocator gives each buffer its own cudaMalloc, so that
   # memcheck sees the bounds of each; only jaxnorm's kernels are instrumented.
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    echo "== compute-sanitizer $tool"
+  # The tests are split into SANITIZE_N shards (every N-th test), each run by a
+  # process of its own under compute-sanitizer, SANITIZE_P at a time: under
+  # memcheck a process's GPU memory grows with the tests it has run (v59), so
+  # none runs many. Their logs are joined into one.
+  sanitize_shard() {  # tool, shard
     (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-        XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout "${SANITIZE_TIMEOUT:-280}" \
-        compute-sanitizer --tool "$tool" --kernel-name kns=jaxnorm --error-exitcode 3 \
-        python3 -m pytest -q -p no:cacheprovider ${SANITIZE_K:+-k "$SANITIZE_K"} \
-        ${SANITIZE_TESTS:-$repo/tests/test_row_norm.py $repo/tests/test_add_norm.py}) \
-        > "$OUT/sanitizer_$tool.log" 2>&1
-    echo "exit status $?" >> "$OUT/sanitizer_$tool.log"
-    grep -E "SUMMARY|passed|failed|exit status" "$OUT/sanitizer_$tool.log" | tail -4
+        XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
+        timeout "${SANITIZE_TIMEOUT:-280}" \
+        compute-sanitizer --tool "$1" --kernel-name kns=jaxnorm --error-exitcode 3 \
+        env PYTHONPATH="$repo/benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m pytest -q -p no:cacheprovider -p sanitize_plugin --shard "$2/${SANITIZE_N:-1}" \
+        ${SANITIZE_K:+-k "$SANITIZE_K"} ${SANITIZE_IDS:+--ids-from "$repo/$SANITIZE_IDS"} \
+        ${SANITIZE_CLEAR:+--clear-caches} \
+        ${SANITIZE_TESTS:-$repo/tests/test_row_norm.py $repo/tests/test_add_norm.py} \
+        > "/tmp/sanitizer_$1_$2.log" 2>&1
+    echo "exit status $?" >> "/tmp/sanitizer_$1_$2.log")
+  }
+  export -f sanitize_shard
+  export repo SANITIZE_N SANITIZE_TIMEOUT SANITIZE_K SANITIZE_IDS SANITIZE_CLEAR SANITIZE_TESTS
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    echo "== compute-sanitizer $tool, ${SANITIZE_N:-1} shards, ${SANITIZE_P:-1} at a time"
+    # SANITIZE_BUDGET: seconds for all shards; the logs are joined then, whole or not.
+    seq 0 $((${SANITIZE_N:-1} - 1)) \
+      | timeout "${SANITIZE_BUDGET:-3600}" xargs -P "${SANITIZE_P:-1}" -I{} bash -c "sanitize_shard $tool {}"
+    for ((i = 0; i < ${SANITIZE_N:-1}; i++)); do
+      echo "==== shard $i/${SANITIZE_N:-1}"
+      cat "/tmp/sanitizer_${tool}_$i.log"
+    done > "$OUT/sanitizer_$tool.log"
+    grep -hE "SUMMARY|exit status" "$OUT/sanitizer_$tool.log" | sort | uniq -c
+    grep -hE " in [0-9.]+s" "$OUT/sanitizer_$tool.log" | grep -oE "[0-9]+ (passed|failed|skipped|errors?)" \
+      | awk '{n[$2] += $1} END {for (k in n) printf "%s %d, ", k, n[k]; print "in all"}'
   done
 fi
 

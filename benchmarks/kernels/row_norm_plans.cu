@@ -9,7 +9,8 @@
 // main(); PROBE=1 launches each plan three times
 // instead of timing it (for Nsight Compute); FWD_ONLY=1 leaves out the
 // backward; NO_CHECK=1 the checks against the host reference; TPR=352x1,192x2
-// adds the planned backward at those threads a row x rows a block, PARTS=3,6
+// adds the planned backward at those threads a row x rows a block (a split:
+// threads a block for its slice, one row a block), PARTS=3,6
 // split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
@@ -384,14 +385,18 @@ int main(int argc, char** argv) {
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lk, own)); });
       }
       // TPR=352x1,192x2: the same launch with other threads a row and rows a
-      // block (whole warps; a thread's vectors past the row's end masked).
+      // block (whole warps; a thread's vectors past the row's end masked). A
+      // split keeps its part count and one row a block; tpr is then each
+      // block's threads for its slice (s=).
       for (auto [tpr, rpb] : env_pairs("TPR", 1)) {
         RowPlan q = own_plan;
         q.tpr = int(tpr);
-        q.rows_per_block = int(rpb);
+        q.rows_per_block = q.parts == 1 ? int(rpb) : 1;
         q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
-        if (q.parts == 1 && q.tpr % 32 == 0 && int64_t(q.tpr) * kMaxBwdNv >= nvec) {
-          time_own(" o=", q);
+        const int64_t span = (nvec + q.parts - 1) / q.parts;
+        if (q.tpr % 32 == 0 && int64_t(q.tpr) * kMaxBwdNv >= span && q.tpr <= kMaxRowThreads &&
+            (q.parts == 1 || split_fits_slots(q.parts, q.tpr))) {
+          time_own(q.parts == 1 ? " o=" : " s=", q);
         }
       }
       // The backward in warp roles (row_norm_bwd_roles.cuh), where it serves:
