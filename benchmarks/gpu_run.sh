@@ -86,14 +86,21 @@ if step ncu; then
 fi
 
 if step sanitize; then
-  # XLA's platform allocator gives each buffer its own cudaMalloc, so that
-  # memcheck sees the bounds of each; only jaxnorm's kernels are instrumented.
+  # An allocator that gives each buffer an allocation of its own, so that
+  # memcheck sees the bounds of each: from jax 0.11 that is "address" (its
+  # "platform" shares XLA's backend allocator, which may suballocate: jax's
+  # docs/gpu_memory_allocation.rst), before it "platform". Only jaxnorm's
+  # kernels are instrumented.
+  # SANITIZE_ALLOCATOR overrides the choice.
+  allocator=${SANITIZE_ALLOCATOR:-$(python3 -c "import jax; \
+v = tuple(map(int, jax.__version__.split('.')[:2])); print('address' if v >= (0, 11) else 'platform')")}
+  export allocator
   # The tests are split into SANITIZE_N shards (every N-th test), each run by a
   # process of its own under compute-sanitizer, SANITIZE_P at a time: under
   # memcheck a process's GPU memory grows with the tests it has run (v59), so
   # none runs many. Their logs are joined into one.
   sanitize_shard() {  # tool, shard
-    (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=$allocator \
         XLA_FLAGS="--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0" \
         timeout "${SANITIZE_TIMEOUT:-280}" \
         compute-sanitizer --tool "$1" --kernel-name kns=jaxnorm --error-exitcode 3 \
@@ -108,7 +115,7 @@ if step sanitize; then
   export -f sanitize_shard
   export repo SANITIZE_N SANITIZE_TIMEOUT SANITIZE_K SANITIZE_IDS SANITIZE_CLEAR SANITIZE_TESTS
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-    echo "== compute-sanitizer $tool, ${SANITIZE_N:-1} shards, ${SANITIZE_P:-1} at a time"
+    echo "== compute-sanitizer $tool, ${SANITIZE_N:-1} shards, ${SANITIZE_P:-1} at a time, allocator $allocator"
     # SANITIZE_BUDGET: seconds for all shards; the logs are joined then, whole or not.
     seq 0 $((${SANITIZE_N:-1} - 1)) \
       | timeout "${SANITIZE_BUDGET:-3600}" xargs -P "${SANITIZE_P:-1}" -I{} bash -c "sanitize_shard $tool {}"
