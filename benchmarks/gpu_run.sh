@@ -8,7 +8,8 @@
 # Llama-style model benchmark, "unet", the convolutional models' benchmark
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
-# -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards, SANITIZE_P at a time; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
+# -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
+# SANITIZE_P at a time; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
 # orderings alone; "channel_plans", kernels/channel_plans.cu: these two and
 # "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
 # BENCH_ARGS
@@ -117,11 +118,12 @@ v = tuple(map(int, jax.__version__.split('.')[:2])); print('address' if v >= (0,
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     echo "== compute-sanitizer $tool, ${SANITIZE_N:-1} shards, ${SANITIZE_P:-1} at a time, allocator $allocator"
     # SANITIZE_BUDGET: seconds for all shards; the logs are joined then, whole or not.
+    rm -f /tmp/sanitizer_"$tool"_*.log
     seq 0 $((${SANITIZE_N:-1} - 1)) \
       | timeout "${SANITIZE_BUDGET:-3600}" xargs -P "${SANITIZE_P:-1}" -I{} bash -c "sanitize_shard $tool {}"
     for ((i = 0; i < ${SANITIZE_N:-1}; i++)); do
-      echo "==== shard $i/${SANITIZE_N:-1}"
-      cat "/tmp/sanitizer_${tool}_$i.log"
+      printf '\n==== shard %s/%s\n' "$i" "${SANITIZE_N:-1}"  # (a cut log may end mid-line)
+      cat "/tmp/sanitizer_${tool}_$i.log" 2>/dev/null || echo "(not started)"
     done > "$OUT/sanitizer_$tool.log"
     grep -hE "SUMMARY|exit status" "$OUT/sanitizer_$tool.log" | sort | uniq -c
     grep -hE " in [0-9.]+s" "$OUT/sanitizer_$tool.log" | grep -oE "[0-9]+ (passed|failed|skipped|errors?)" \
