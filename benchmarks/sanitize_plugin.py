@@ -2,12 +2,13 @@
 
     pytest -p sanitize_plugin --shard 3/40 --ids-from ids.txt --clear-caches tests/...
 
-(with this folder on PYTHONPATH). The suite under memcheck runs for far longer
-than the GPU machine's per-command limit in one process, and a process's GPU
-memory grew with the tests it had run until the GPU was full (benchmarks/NOTES.md,
-v59). So the suite is split into shards, each a process of its own and few tests
-long; the tests a run left unchecked can be run again from a file of their ids;
-and the GPU memory a process holds is written after each test, to find what grows.
+(with this folder on PYTHONPATH). Under memcheck the row-norm tests take about a
+second each, too long for one process under a run's time limit, and a process's
+GPU memory grew with the tests it had run until the GPU was full
+(benchmarks/NOTES.md, v59). So the suite is split into shards, each a process of
+its own and few tests long; the tests a run left unchecked can be run again from
+a file of their ids; and the GPU memory a process holds is written after each
+test, to find what grows.
 """
 
 from __future__ import annotations
