@@ -9,9 +9,12 @@
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
-# SANITIZE_P at a time; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
+# SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
 # orderings alone; "channel_plans", kernels/channel_plans.cu: these two and
 # "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
+# PREBUILT=1 takes the module built elsewhere for this machine's Python and
+# GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans for
+# "plans"), from the source tree, in place of the build;
 # BENCH_ARGS
 # go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory); the step
@@ -40,7 +43,12 @@ done
 if [ -n "$needs_build" ]; then
   echo "== build"
   start=$(date +%s)
-  if [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
+  if [ "${PREBUILT:-0}" = 1 ]; then
+    # The source tree on the path, with its module: no pip install.
+    export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
+    module=$(cd /tmp && python3 -c "import jaxnorm._jaxnorm as m; print(m.__file__)") || exit 1
+    echo "prebuilt module: $module"
+  elif [ "${SKIP_BUILD:-0}" = 1 ] && (cd /tmp && python3 -c "import jaxnorm" 2>/dev/null); then
     echo "kept the earlier build"
   elif ! python3 -m pip install --no-build-isolation --no-deps -v \
       -C cmake.define.JAXNORM_CUDA=ON \
@@ -119,9 +127,12 @@ v = tuple(map(int, jax.__version__.split('.')[:2])); print('address' if v >= (0,
     echo "== compute-sanitizer $tool, ${SANITIZE_N:-1} shards, ${SANITIZE_P:-1} at a time, allocator $allocator"
     # SANITIZE_BUDGET: seconds for all shards; the logs are joined then, whole or not.
     rm -f /tmp/sanitizer_"$tool"_*.log
-    seq 0 $((${SANITIZE_N:-1} - 1)) \
+    seq "${SANITIZE_FROM:-0}" $((${SANITIZE_N:-1} - 1)) \
       | timeout "${SANITIZE_BUDGET:-3600}" xargs -P "${SANITIZE_P:-1}" -I{} bash -c "sanitize_shard $tool {}"
-    for ((i = 0; i < ${SANITIZE_N:-1}; i++)); do
+    # The budget stops xargs, not the shards it started: they would hold the
+    # GPU through the steps after this one.
+    pkill -f "compute-sanitizer --tool $tool" && sleep 5
+    for ((i = ${SANITIZE_FROM:-0}; i < ${SANITIZE_N:-1}; i++)); do
       printf '\n==== shard %s/%s\n' "$i" "${SANITIZE_N:-1}"  # (a cut log may end mid-line)
       cat "/tmp/sanitizer_${tool}_$i.log" 2>/dev/null || echo "(not started)"
     done > "$OUT/sanitizer_$tool.log"
@@ -163,7 +174,8 @@ fi
 if step plans; then
   echo "== kernel plans (C++, every register-path plan)"
   jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
-  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
+  if { [ "${PREBUILT:-0}" = 1 ] && cp build-bench/row_norm_plans /tmp/row_norm_plans; } ||
+      nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
       benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
     rm -f "$OUT/plans_build.log"
     /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"

@@ -348,6 +348,7 @@ int main(int argc, char** argv) {
       if (l.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false, true)) {
         auto lc = l;
         lc.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
+        CHECK(allow_dynamic_smem_once(lc.kernel, lc.smem, info));  // (planned for l.kernel)
         time_bwd(" sc", own_plan.tpr, 1, lc.grid, lc.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
       }
