@@ -14,7 +14,7 @@
 # "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
 # PREBUILT=1 takes the module built elsewhere for this machine's Python and
 # GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans for
-# "plans"), from the source tree, in place of the build;
+# "plans": benchmarks/prebuild.sh), from the source tree, in place of the build;
 # BENCH_ARGS
 # go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory); the step

@@ -14,7 +14,8 @@
 // split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
-// YOFF_KB=1,64 the planned forward with y that far past x (1: none). The
+// YOFF_KB=1,64 the planned forward with y that far past x (1: none);
+// TWO_BLOCKS=1 a split with dscale/dbias in registers, two blocks an SM. The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -351,6 +352,22 @@ int main(int argc, char** argv) {
         CHECK(allow_dynamic_smem_once(lc.kernel, lc.smem, info));  // (planned for l.kernel)
         time_bwd(" sc", own_plan.tpr, 1, lc.grid, lc.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
+      }
+      // TWO_BLOCKS=1: a split planned with dscale/dbias in registers at 4
+      // vectors a thread and 256 threads, again in at most 128 registers,
+      // two blocks an SM (b2), on the clusters the GPU then holds (b2*) and
+      // on the planned count (b2).
+      if (std::getenv("TWO_BLOCKS") && own_plan.parts > 1 && own_plan.nv == 4 &&
+          own_plan.tpr == 256 &&
+          l.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true)) {
+        auto l2 = l;
+        l2.kernel = bwd_regs<bf16, bf16, bf16, VEC, 4, true, true, true, false, true>;
+        const int held = resident_clusters(l2.kernel, 256, l2.smem, own_plan.parts, info);
+        for (int k : {held, l.grid / own_plan.parts}) {
+          l2.grid = int(std::min<int64_t>(k, c.rows)) * own_plan.parts;
+          time_bwd(k == held ? "b2*" : " b2", 256, 1, l2.grid, l2.smem,
+                   [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l2, own)); });
+        }
       }
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);

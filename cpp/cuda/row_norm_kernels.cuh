@@ -844,10 +844,14 @@ inline bool split_fits_slots(int parts, int threads) {
 // At least one block an SM: the bound lets ptxas take up to 128 registers
 // (more with kAccInRegs), where by itself it gave some instantiations 64 and
 // spilled (float32 with a cluster a row: 16 bytes).
+// kTwoBlocks (only the plans benchmark takes it, to measure): blocks of at
+// most 256 threads, two an SM, in at most 128 registers.
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs, bool kBulk = false>
-__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads, 1)
-    bwd_regs(BwdArgs a) {
+          bool kAccInRegs, bool kBulk = false, bool kTwoBlocks = false>
+__global__ void __launch_bounds__(kTwoBlocks    ? 256
+                                  : !kAccInRegs ? kMaxRowThreads
+                                                : kAccRegsThreads,
+                                  kTwoBlocks ? 2 : 1) bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
