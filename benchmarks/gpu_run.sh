@@ -9,12 +9,14 @@
 # (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
-# SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on kernels/mbarrier_racecheck.cu's
-# orderings alone; "channel_plans", kernels/channel_plans.cu: these two and
-# "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier build;
-# PREBUILT=1 takes the module built elsewhere for this machine's Python and
-# GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans for
-# "plans": benchmarks/prebuild.sh), from the source tree, in place of the build;
+# SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
+# kernels/mbarrier_racecheck.cu's orderings alone; "channel_plans",
+# kernels/channel_plans.cu; "lrn_lines", kernels/lrn_lines.cu: these three
+# and "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier
+# build; PREBUILT=1 takes the module built elsewhere for this machine's Python
+# and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans
+# and lrn_lines for their steps: benchmarks/prebuild.sh), from the source
+# tree, in place of the build;
 # BENCH_ARGS
 # go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory); the step
@@ -38,7 +40,7 @@ fi
   | tee "$OUT/device.txt"
 needs_build=$([ -z "$STEPS" ] && echo 1)  # the build alone
 for s in $STEPS; do  # the mbarrier check and the C++ harnesses need no jaxnorm build
-  case $s in mbarrier|channel_plans|plans) ;; *) needs_build=1 ;; esac
+  case $s in mbarrier|channel_plans|lrn_lines|plans) ;; *) needs_build=1 ;; esac
 done
 if [ -n "$needs_build" ]; then
   echo "== build"
@@ -168,6 +170,18 @@ if step channel_plans; then
     cat "$OUT/channel_plans.txt"
   else
     tail -20 "$OUT/channel_plans_build.log"
+  fi
+fi
+
+if step lrn_lines; then
+  echo "== LRN with a line in registers (C++, kernels/lrn_lines.cu)"
+  if { [ "${PREBUILT:-0}" = 1 ] && cp build-bench/lrn_lines /tmp/lrn_lines; } ||
+      nvcc -std=c++17 -O3 -arch=sm_90 benchmarks/kernels/lrn_lines.cu -o /tmp/lrn_lines \
+      > "$OUT/lrn_lines_build.log" 2>&1; then
+    rm -f "$OUT/lrn_lines_build.log"
+    /tmp/lrn_lines 2>&1 | tee "$OUT/lrn_lines.txt"
+  else
+    tail -20 "$OUT/lrn_lines_build.log"
   fi
 fi
 

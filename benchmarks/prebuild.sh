@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds, on a machine with nvcc but no GPU, what gpu_run.sh's PREBUILT=1
 # takes on the GPU machine in place of its own build: the CUDA module for that
-# machine's Python and jax (jaxnorm/_jaxnorm.cpython-3XX-*.so) and the plans
-# benchmark (build-bench/row_norm_plans). The module's FFI headers come from
-# the GPU machine's jax version (a handler loads in that jaxlib and newer ones).
+# machine's Python and jax (jaxnorm/_jaxnorm.cpython-3XX-*.so) and the C++
+# benchmarks (build-bench/row_norm_plans, build-bench/lrn_lines). The module's
+# FFI headers come from the GPU machine's jax version (a handler loads in that
+# jaxlib and newer ones).
 #   PYTHON=python3.12 JAX_VERSION=0.11.2 CUDA_ARCHS=90 bash benchmarks/prebuild.sh
 set -euo pipefail
 export PATH=/usr/local/cuda/bin:$PATH
@@ -27,4 +28,6 @@ mkdir -p "$repo/build-bench"
 nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I"$repo/cpp" \
   -isystem "$("$venv/bin/python" -c "import jax; print(jax.ffi.include_dir())")" \
   "$repo/benchmarks/kernels/row_norm_plans.cu" -o "$repo/build-bench/row_norm_plans"
-ls -l "$repo"/jaxnorm/_jaxnorm.cpython-*.so "$repo/build-bench/row_norm_plans"
+nvcc -std=c++17 -O3 -arch=sm_90 "$repo/benchmarks/kernels/lrn_lines.cu" \
+  -o "$repo/build-bench/lrn_lines"
+ls -l "$repo"/jaxnorm/_jaxnorm.cpython-*.so "$repo"/build-bench/*
