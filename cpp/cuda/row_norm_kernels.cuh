@@ -1188,9 +1188,15 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
 // column a thread (4-byte loads), 30 float32 rows of 65536 took 7.4 us, 31%
 // of DRAM's bandwidth, under Nsight Compute with the caches flushed (RMSNorm
 // 512x65536 on an H100, benchmarks/NOTES.md v55).
-template <typename W, typename A, int kCols>
+// kAfterPrimary (only the plans benchmark takes it, to measure): launched as
+// a programmatic dependent of the backward (sm_90), it waits here for the
+// backward's grid to end and its writes to show.
+template <typename W, typename A, int kCols, bool kAfterPrimary = false>
 __global__ void __launch_bounds__(256) sum_partials(const A* partial, int64_t parts,
                                                    int64_t hidden, W* out0, W* out1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kAfterPrimary) asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   using Cols = Packed<A, kCols>;
   __shared__ Cols tile[8][32];
   const A* p = partial + int64_t(blockIdx.y) * parts * hidden;
