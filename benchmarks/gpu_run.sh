@@ -144,59 +144,40 @@ v = tuple(map(int, jax.__version__.split('.')[:2])); print('address' if v >= (0,
   done
 fi
 
-if step mbarrier; then
+# Builds benchmarks/kernels/$1.cu into /tmp/$1 (PREBUILT=1: copies
+# build-bench/$1, from prebuild.sh); the build log lands in $OUT on failure.
+harness() {
+  { [ "${PREBUILT:-0}" = 1 ] && cp "build-bench/$1" "/tmp/$1"; } && return 0
+  nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
+      -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
+      "benchmarks/kernels/$1.cu" -o "/tmp/$1" > "$OUT/$1_build.log" 2>&1 \
+    && rm -f "$OUT/$1_build.log" || { tail -20 "$OUT/$1_build.log"; return 1; }
+}
+
+if step mbarrier && harness mbarrier_racecheck; then
   # Which mbarrier orderings racecheck understands (kernels/mbarrier_racecheck.cu).
   echo "== racecheck on the mbarrier orderings alone"
-  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
-      -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
-      benchmarks/kernels/mbarrier_racecheck.cu -o /tmp/mbarrier_racecheck \
-      > "$OUT/mbarrier_build.log" 2>&1; then
-    for v in bulk ring slots ring_all slots_all; do
-      compute-sanitizer --tool racecheck /tmp/mbarrier_racecheck "$v" 2>&1 \
-        | tee -a "$OUT/mbarrier_racecheck.log" | grep -E "sums|SUMMARY|Race" | head -5
-    done
-  else
-    tail -20 "$OUT/mbarrier_build.log"
-  fi
+  for v in bulk ring slots ring_all slots_all; do
+    compute-sanitizer --tool racecheck /tmp/mbarrier_racecheck "$v" 2>&1 \
+      | tee -a "$OUT/mbarrier_racecheck.log" | grep -E "sums|SUMMARY|Race" | head -5
+  done
 fi
 
-if step channel_plans; then
+if step channel_plans && harness channel_plans; then
   echo "== channel norm statistics pass (C++, kernels/channel_plans.cu)"
-  if nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
-      -isystem "$(python3 -c "import jax; print(jax.ffi.include_dir())")" \
-      benchmarks/kernels/channel_plans.cu -o /tmp/channel_plans > "$OUT/channel_plans_build.log" 2>&1; then
-    rm -f "$OUT/channel_plans_build.log"
-    /tmp/channel_plans > "$OUT/channel_plans.txt" 2>&1 || tail -5 "$OUT/channel_plans.txt"
-    cat "$OUT/channel_plans.txt"
-  else
-    tail -20 "$OUT/channel_plans_build.log"
-  fi
+  /tmp/channel_plans > "$OUT/channel_plans.txt" 2>&1 || tail -5 "$OUT/channel_plans.txt"
+  cat "$OUT/channel_plans.txt"
 fi
 
-if step lrn_lines; then
+if step lrn_lines && harness lrn_lines; then
   echo "== LRN with a line in registers (C++, kernels/lrn_lines.cu)"
-  if { [ "${PREBUILT:-0}" = 1 ] && cp build-bench/lrn_lines /tmp/lrn_lines; } ||
-      nvcc -std=c++17 -O3 -arch=sm_90 benchmarks/kernels/lrn_lines.cu -o /tmp/lrn_lines \
-      > "$OUT/lrn_lines_build.log" 2>&1; then
-    rm -f "$OUT/lrn_lines_build.log"
-    /tmp/lrn_lines 2>&1 | tee "$OUT/lrn_lines.txt"
-  else
-    tail -20 "$OUT/lrn_lines_build.log"
-  fi
+  /tmp/lrn_lines 2>&1 | tee "$OUT/lrn_lines.txt"
 fi
 
-if step plans; then
+if step plans && harness row_norm_plans; then
   echo "== kernel plans (C++, every register-path plan)"
-  jaxinc=$(python3 -c "import jax; print(jax.ffi.include_dir())")
-  if { [ "${PREBUILT:-0}" = 1 ] && cp build-bench/row_norm_plans /tmp/row_norm_plans; } ||
-      nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp -isystem "$jaxinc" \
-      benchmarks/kernels/row_norm_plans.cu -o /tmp/row_norm_plans > "$OUT/plans_build.log" 2>&1; then
-    rm -f "$OUT/plans_build.log"
-    /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"
-    head -3 "$OUT/row_norm_plans.txt"
-  else
-    tail -5 "$OUT/plans_build.log"
-  fi
+  /tmp/row_norm_plans > "$OUT/row_norm_plans.txt" 2>&1 || tail -5 "$OUT/row_norm_plans.txt"
+  head -3 "$OUT/row_norm_plans.txt"
 fi
 
 if step bench; then

@@ -25,9 +25,9 @@ ninja -C "$build"
 cp "$build"/_jaxnorm.cpython-*.so "$repo/jaxnorm/"
 
 mkdir -p "$repo/build-bench"
-nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I"$repo/cpp" \
-  -isystem "$("$venv/bin/python" -c "import jax; print(jax.ffi.include_dir())")" \
-  "$repo/benchmarks/kernels/row_norm_plans.cu" -o "$repo/build-bench/row_norm_plans"
-nvcc -std=c++17 -O3 -arch=sm_90 "$repo/benchmarks/kernels/lrn_lines.cu" \
-  -o "$repo/build-bench/lrn_lines"
+jaxinc=$("$venv/bin/python" -c "import jax; print(jax.ffi.include_dir())")
+for name in row_norm_plans lrn_lines; do  # as gpu_run.sh's harness() builds them
+  nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I"$repo/cpp" -isystem "$jaxinc" \
+    "$repo/benchmarks/kernels/$name.cu" -o "$repo/build-bench/$name"
+done
 ls -l "$repo"/jaxnorm/_jaxnorm.cpython-*.so "$repo"/build-bench/*

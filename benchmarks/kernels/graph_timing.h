@@ -1,5 +1,6 @@
-// What the timing harnesses in this directory share: bf16 test data and the
-// median time of a launch sequence captured in a CUDA graph.
+// What the timing harnesses in this directory share: bf16 test data, reading
+// results back, and the median time of a launch sequence captured in a CUDA
+// graph.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -18,6 +19,19 @@ __global__ void fill(__nv_bfloat16* p, int64_t n, uint32_t seed, float offset) {
     h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
     p[i] = __float2bfloat16(offset + (h % 20001) / 10000.0f - 1.0f);
   }
+}
+
+// n values from the device, bf16 (is_bf16) or float32, as float32.
+inline std::vector<float> to_host(const void* p, size_t n, bool is_bf16) {
+  std::vector<float> out(n);
+  if (is_bf16) {
+    std::vector<__nv_bfloat16> h(n);
+    CHECK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(h[i]);
+  } else {
+    CHECK(cudaMemcpy(out.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  }
+  return out;
 }
 
 // Median over `reps` of the time per call of `calls` launches in a graph

@@ -147,14 +147,6 @@ __global__ void __launch_bounds__(kThreads) lrn_lines(const bf16* x, const bf16*
   }
 }
 
-std::vector<float> to_host(const bf16* p, size_t n) {
-  std::vector<bf16> raw(n);
-  CHECK(cudaMemcpy(raw.data(), p, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(raw[i]);
-  return out;
-}
-
 // Largest |got - want| over every 97th line, relative to the largest |want|
 // there: PyTorch's LRN in float64 (window clipped at the line's ends, still
 // divided by size).
@@ -207,7 +199,7 @@ void run(cudaStream_t s, const Case& k, int grid, float copy, const bf16* x, con
     const float us =
         time_us(s, [&] { kernel<<<grid, kThreads, 0, s>>>(x, dy, out, k.lines, k.c, p); });
     CHECK(cudaGetLastError());
-    const double err = check(hx, hdy, to_host(out, n), k.lines, k.c, 5, p, bwd);
+    const double err = check(hx, hdy, to_host(out, n, true), k.lines, k.c, 5, p, bwd);
     const double bytes = (bwd ? 3.0 : 2.0) * n * sizeof(bf16);
     std::printf("lrn %-4s %-14s L=%-2d M=%d %9.1f us %6.0f GB/s %4.0f%%  err %.1e\n",
                 bwd ? "bwd" : "fwd", k.name, L, M, us, bytes / us / 1e3,
@@ -238,7 +230,7 @@ int main() {
     const float copy = 2.0f * n * sizeof(bf16) / copy_us / 1e3f;
     std::printf("device %s, %d SMs, %s: copy %.0f GB/s (%.1f us)\n", prop.name,
                 prop.multiProcessorCount, k.name, copy, copy_us);
-    const std::vector<float> hx = to_host(x, n), hdy = to_host(dy, n);
+    const std::vector<float> hx = to_host(x, n, true), hdy = to_host(dy, n, true);
     const int grid = prop.multiProcessorCount * (2048 / kThreads);
     run<2, 6>(s, k, grid, copy, x, dy, out, hx, hdy);
     run<4, 3>(s, k, grid, copy, x, dy, out, hx, hdy);

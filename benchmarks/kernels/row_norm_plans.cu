@@ -129,18 +129,6 @@ float copy_gbps(cudaStream_t s, int sms) {
   return 2.0f * n / us / 1e3f;
 }
 
-std::vector<float> to_host(const void* p, size_t n, bool is_bf16) {
-  std::vector<float> out(n);
-  if (is_bf16) {
-    std::vector<bf16> h(n);
-    CHECK(cudaMemcpy(h.data(), p, n * 2, cudaMemcpyDeviceToHost));
-    for (size_t i = 0; i < n; ++i) out[i] = __bfloat162float(h[i]);
-  } else {
-    CHECK(cudaMemcpy(out.data(), p, n * 4, cudaMemcpyDeviceToHost));
-  }
-  return out;
-}
-
 struct Case {
   int64_t rows, hidden;
   bool centered;
