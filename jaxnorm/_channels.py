@@ -57,20 +57,46 @@ def _along_layout(x, axis, n_in):
     return Layout(roles=tuple(roles), ins=(every,) * n_in, outs=(every,))
 
 
+def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
+    """Whether the CUDA kernels along the channels take x viewed as (M, C, B)
+    (cpp/cuda/channel_lines.cuh): channels last (B == 1), a 16- or 32-bit
+    float dtype, and a line of C channels that a team of at most 32 lanes
+    holds in registers, at most 3 vectors a lane, in vectors (the widest of
+    16, 8, 4 or 2 bytes that divides the line) of at least `min_vec` channels
+    and `min_bytes` bytes."""
+    if x.shape[2] != 1 or np.dtype(x.dtype) not in _LINE_DTYPES:
+        return False
+    itemsize = np.dtype(x.dtype).itemsize
+    c, wide, least = x.shape[1], 16 // itemsize, max(min_vec, min_bytes // itemsize, 1)
+    vec = next((v for v in (wide, wide // 2, wide // 4, wide // 8)
+                if v >= least and c % v == 0), None)
+    if vec is None:
+        return False
+    vecs, lanes = c // vec, 1
+    while lanes < 32 and lanes * 3 < vecs:
+        lanes *= 2
+    return -(-vecs // lanes) <= 3
+
+
+_LINE_DTYPES = {np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)}
+
+
 def define_along_channels(
     name: str,
     *,
     fwd_reference: Callable,
     bwd_reference: Callable,
     attributes: Callable[..., dict],
-    saves_output: bool,
+    supports: Callable[..., bool] | None = None,
 ) -> Callable:
     """The differentiable op `apply(x, axis, **attrs)` of the FFI targets
-    `<name>_fwd` (x -> y) and `<name>_bwd` ((x or y, dy) -> dx), which work
+    `<name>_fwd` (x -> y) and `<name>_bwd` ((x, dy) -> dx), which work
     along the channels at each position of x viewed as (M, C, B). The
-    references are the same math in jax.numpy on (M, C, B); `saves_output`:
-    the backward takes y rather than x. x is never split on its channel axis
-    (a sharded one is gathered)."""
+    references are the same math in jax.numpy on (M, C, B). The backward
+    takes x, not y: under grad with y dead, the forward is not run at all.
+    x is never split on its channel axis
+    (a sharded one is gathered). `supports(platform, x, **attrs)` says where
+    a platform's handlers take x (M, C, B); elsewhere the reference runs."""
 
     def kernel(suffix, reference):
         return define_kernel_primitive(
@@ -78,6 +104,8 @@ def define_along_channels(
             abstract_eval=lambda x, *_, **__: (like(x, x.shape, x.dtype, (0, 1, 2)),),
             reference=lambda *a, **p: (reference(*a, **p),),
             attributes=attributes,
+            supports=None if supports is None else lambda platform, x, *_, **p: supports(
+                platform, x, **p),
         )
 
     references = {"fwd": fwd_reference, "bwd": bwd_reference}
@@ -119,8 +147,7 @@ def define_along_channels(
         return fwd_p.bind(x, axis=axis, **dict(attrs))[0]
 
     def apply_fwd(x, axis, attrs):
-        y = fwd_p.bind(x, axis=axis, **dict(attrs))[0]
-        return y, (y if saves_output else x)
+        return fwd_p.bind(x, axis=axis, **dict(attrs))[0], x
 
     def apply_bwd(axis, attrs, saved, dy):
         return (bwd_p.bind(saved, dy, axis=axis, **dict(attrs))[0],)

@@ -2,7 +2,9 @@
 model's class probabilities, an attention map over channels).
 
 ``y = exp(x - max) / sum(exp(x - max))`` over the channel axis; the backward
-takes y: ``dx = y * (dy - sum(dy * y))``.
+``dx = y * (dy - sum(dy * y))`` recomputes y from x, so that under ``grad``
+with the forward's output dead x is read once by each pass and y never
+written.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxnorm import _checks
 from jaxnorm._channels import channel_axis as _channel_axis
-from jaxnorm._channels import define_along_channels
+from jaxnorm._channels import cuda_line_fits, define_along_channels
 from jaxnorm._stats import stats_dtype
 
 
@@ -20,10 +22,10 @@ def _fwd_reference(x):
     return jax.nn.softmax(x.astype(stats_dtype(x.dtype)), axis=1).astype(x.dtype)
 
 
-def _bwd_reference(y, dy):
-    acc = stats_dtype(y.dtype)
-    yf, g = y.astype(acc), dy.astype(acc)
-    return (yf * (g - jnp.sum(g * yf, axis=1, keepdims=True))).astype(y.dtype)
+def _bwd_reference(x, dy):
+    acc = stats_dtype(x.dtype)
+    yf, g = jax.nn.softmax(x.astype(acc), axis=1), dy.astype(acc)
+    return (yf * (g - jnp.sum(g * yf, axis=1, keepdims=True))).astype(x.dtype)
 
 
 _softmax = define_along_channels(
@@ -31,7 +33,7 @@ _softmax = define_along_channels(
     fwd_reference=_fwd_reference,
     bwd_reference=_bwd_reference,
     attributes=lambda: {},
-    saves_output=True,
+    supports=lambda platform, x: platform != "cuda" or cuda_line_fits(x, min_bytes=4),
 )
 
 

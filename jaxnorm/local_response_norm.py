@@ -16,7 +16,7 @@ from jax import lax
 
 from jaxnorm import _checks
 from jaxnorm._channels import channel_axis as _channel_axis
-from jaxnorm._channels import define_along_channels
+from jaxnorm._channels import cuda_line_fits, define_along_channels
 from jaxnorm._stats import stats_dtype
 
 
@@ -55,12 +55,18 @@ def _attributes(*, size, alpha, beta, k):
             "k": np.float64(k)}
 
 
+def _supports(platform, x, *, size, **_):
+    """The CUDA kernels: channels last, windows of 3, 5 or 7 channels (one
+    vector of at least 4 channels each way)."""
+    return platform != "cuda" or (size in (3, 5, 7) and cuda_line_fits(x, min_vec=4))
+
+
 _lrn = define_along_channels(
     "local_response_norm",
     fwd_reference=_fwd_reference,
     bwd_reference=_bwd_reference,
     attributes=_attributes,
-    saves_output=False,
+    supports=_supports,
 )
 
 

@@ -3,6 +3,7 @@ LRN reference follows PyTorch's definition: a zero-padded average of squares
 over the window), on the default device."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,13 @@ LRN_CASES = [  # shape, axis, size
     ((2, 3, 4), -1, 9),        # a window wider than the channels
     ((4, 1), 1, 3),            # one channel
     ((1, 127, 2, 3), 1, 7),
+    # channels last, as CUDA's kernels take them: windows of 3, 5 and 7,
+    # lines of 1 to 3 vectors a lane, 1 to 32 lanes
+    ((3, 5, 96), -1, 3),
+    ((2, 3, 64), -1, 7),
+    ((5, 12), -1, 5),
+    ((37, 760), -1, 5),
+    ((9, 24), -1, 7),
 ]
 
 
@@ -144,8 +152,73 @@ def test_forward_and_backward_against_float64(name, shape, axis, dtype):
     (dx,) = pullback(dy)
     (want_dx,) = want_pullback(dy64)
     assert dx.dtype == x.dtype
-    # the softmax's backward takes y rounded to x's dtype
     assert_close(dx, want_dx, dtype, scale=float(jnp.max(jnp.abs(want_dx))))
+
+
+# Either side of what CUDA's line kernels take (cuda_line_fits): dtypes,
+# channel counts that set the vector width, lines too long for a warp, and
+# channels not last.
+FIT_CASES = [  # shape, axis, dtype
+    ((50, 96), -1, jnp.bfloat16),
+    ((50, 768), -1, jnp.bfloat16),
+    ((50, 384), -1, jnp.float32),
+    ((50, 776), -1, jnp.bfloat16),
+    ((50, 1000), -1, jnp.bfloat16),
+    ((50, 21), -1, jnp.float16),
+    ((50, 150), -1, jnp.bfloat16),
+    ((50, 150), -1, jnp.float32),
+    ((5, 12, 16), 1, jnp.bfloat16),
+    ((50, 16), -1, jnp.float64),
+]
+
+
+@pytest.mark.parametrize("shape,axis,dtype", FIT_CASES, ids=str)
+@pytest.mark.parametrize("name", ["lrn", "softmax"])
+def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
+    """The compiled forward and backward call the platform's handlers where it
+    takes the line (the CPU's every line; CUDA's, cuda_line_fits), the
+    gradient alone runs no forward, and both are right either way."""
+    from jaxnorm._channels import cuda_line_fits
+
+    platform = jax.devices()[0].platform
+    if platform not in jaxnorm.kernel_platforms() and platform != "gpu":
+        pytest.skip("no kernels here")
+    f, ref = _op(name, axis)
+    x, dy = rand(14, shape, dtype, offset=0.5), rand(15, shape, dtype)
+    grad = jax.jit(lambda x, dy: jax.vjp(f, x)[1](dy)[0])
+    hlo = {"fwd": jax.jit(f).lower(x).compile().as_text(),
+           "bwd": grad.lower(x, dy).compile().as_text()}
+    target = "local_response_norm" if name == "lrn" else "channel_softmax"
+    c = shape[axis]
+    view = jax.ShapeDtypeStruct((x.size // c // math.prod(shape[axis:][1:]), c,
+                                 math.prod(shape[axis:][1:])), dtype)
+    need = dict(min_vec=4) if name == "lrn" else dict(min_bytes=4)
+    expected = platform == "cpu" or cuda_line_fits(view, **need)
+    for suffix in ("fwd", "bwd"):
+        called = f'custom_call_target="jaxnorm_{target}_{suffix}"' in hlo[suffix]
+        assert called == expected, suffix
+    # y dead under grad: the backward recomputes what it needs from x
+    assert f'custom_call_target="jaxnorm_{target}_fwd"' not in hlo["bwd"]
+    x64, dy64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, dy))
+    want_dx = jax.vjp(ref, x64)[1](dy64)[0]
+    assert_close(grad(x, dy), want_dx, dtype, scale=float(jnp.max(jnp.abs(want_dx))))
+
+
+def test_cuda_line_fits():
+    from jaxnorm._channels import cuda_line_fits
+
+    def fits(c, dtype, b=1, min_vec=1):
+        return cuda_line_fits(jax.ShapeDtypeStruct((7, c, b), dtype), min_vec=min_vec)
+
+    assert fits(96, jnp.bfloat16) and fits(768, jnp.bfloat16) and fits(384, jnp.float32)
+    assert not fits(776, jnp.bfloat16) and not fits(388, jnp.float32)
+    assert fits(21, jnp.float16) and fits(95, jnp.float16) and not fits(97, jnp.float16)
+    assert not fits(96, jnp.bfloat16, b=2) and not fits(96, jnp.float64)
+    assert fits(12, jnp.bfloat16, min_vec=4) and not fits(6, jnp.bfloat16, min_vec=4)
+    assert fits(760, jnp.bfloat16, min_vec=4) and not fits(1000, jnp.bfloat16, min_vec=4)
+    assert not cuda_line_fits(jax.ShapeDtypeStruct((7, 21, 1), jnp.bfloat16), min_bytes=4)
+    assert cuda_line_fits(jax.ShapeDtypeStruct((7, 150, 1), jnp.bfloat16), min_bytes=4)
+    assert cuda_line_fits(jax.ShapeDtypeStruct((7, 21, 1), jnp.float32), min_bytes=4)
 
 
 def test_softmax_of_minus_infinity_is_zero():

@@ -14,10 +14,7 @@
 // split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
-// YOFF_KB=1,64 the planned forward with y that far past x (1: none);
-// TWO_BLOCKS=1 a split with dscale/dbias in registers, two blocks an SM;
-// PDL=1 the planned split with its sum of partial rows launched as a
-// programmatic dependent. The
+// YOFF_KB=1,64 the planned forward with y that far past x (1: none). The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -193,36 +190,6 @@ std::vector<std::pair<int64_t, int64_t>> env_pairs(const char* name, int64_t b) 
   return out;
 }
 
-// launch_bwd with sum_partials launched as a programmatic dependent of the
-// backward (PDL=1): its launch overlaps the backward's last blocks, and it
-// waits in the kernel (griddepcontrol.wait) for the backward's writes.
-template <int VEC>
-cudaError_t launch_bwd_pdl(cudaStream_t s, const BwdLaunch<bf16, bf16, bf16, VEC>& l,
-                           BwdArgs a) {
-  a.tpr = l.plan.tpr;
-  a.rows_per_block = l.plan.rows_per_block;
-  a.parts = l.plan.parts;
-  a.stage_params = l.stage_scale;
-  const cudaError_t err = launch_clusters(l.kernel, unsigned(l.grid), l.plan.threads(), l.smem,
-                                          l.plan.parts, s, a);
-  if (err != cudaSuccess || l.partial_bytes(a.hidden) == 0) return err;
-  constexpr int kCols = 4;  // float32 partial rows, 16 bytes a thread
-  const int regions = int(a.has_scale) + int(a.has_bias);
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(unsigned((a.hidden + 32 * kCols - 1) / (32 * kCols)), unsigned(regions));
-  config.blockDim = dim3(32, 8);
-  config.stream = s;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, sum_partials<bf16, float, kCols, true>,
-                            static_cast<const float*>(a.partial), l.partial_rows(), a.hidden,
-                            static_cast<bf16*>(a.has_scale ? a.dscale : a.dbias),
-                            static_cast<bf16*>(a.dbias));
-}
-
 int main(int argc, char** argv) {
   // SHAPES=64x4096,1x4096 runs those shapes alone (any), else this list.
   std::vector<std::pair<int64_t, int64_t>> shapes = env_pairs("SHAPES", 0);
@@ -372,27 +339,6 @@ int main(int argc, char** argv) {
         CHECK(allow_dynamic_smem_once(lc.kernel, lc.smem, info));  // (planned for l.kernel)
         time_bwd(" sc", own_plan.tpr, 1, lc.grid, lc.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
-      }
-      // PDL=1: the same, sum_partials a programmatic dependent (sp*).
-      if (std::getenv("PDL") && own_plan.parts > 1 && H % 128 == 0) {
-        time_bwd("sp*", own_plan.tpr, 1, l.grid, l.smem,
-                 [&] { CHECK(launch_bwd_pdl<VEC>(s, l, own)); });
-      }
-      // TWO_BLOCKS=1: a split planned with dscale/dbias in registers at 4
-      // vectors a thread and 256 threads, again in at most 128 registers,
-      // two blocks an SM (b2), on the clusters the GPU then holds (b2*) and
-      // on the planned count (b2).
-      if (std::getenv("TWO_BLOCKS") && own_plan.parts > 1 && own_plan.nv == 4 &&
-          own_plan.tpr == 256 &&
-          l.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true)) {
-        auto l2 = l;
-        l2.kernel = bwd_regs<bf16, bf16, bf16, VEC, 4, true, true, true, false, true>;
-        const int held = resident_clusters(l2.kernel, 256, l2.smem, own_plan.parts, info);
-        for (int k : {held, l.grid / own_plan.parts}) {
-          l2.grid = int(std::min<int64_t>(k, c.rows)) * own_plan.parts;
-          time_bwd(k == held ? "b2*" : " b2", 256, 1, l2.grid, l2.smem,
-                   [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l2, own)); });
-        }
       }
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);

@@ -30,7 +30,7 @@
 //   local_response_norm_fwd(x[M,C,B]) -> y[M,C,B]
 //   local_response_norm_bwd(x[M,C,B], dy[M,C,B]) -> dx[M,C,B]
 //   channel_softmax_fwd(x[M,C,B]) -> y[M,C,B]
-//   channel_softmax_bwd(y[M,C,B], dy[M,C,B]) -> dx[M,C,B]
+//   channel_softmax_bwd(x[M,C,B], dy[M,C,B]) -> dx[M,C,B]  (y recomputed)
 #pragma once
 
 #include "common/activation.h"
@@ -267,7 +267,7 @@ auto bind_lrn_fwd(B binding) {
   return with_lrn_attrs(std::move(binding).template Arg<AnyBuffer>().template Ret<AnyBuffer>());
 }
 
-// (y, dy) -> dx for the softmax.
+// (x, dy) -> dx for the softmax.
 template <typename B>
 auto bind_channel_softmax_bwd(B binding) {
   return std::move(binding).template Arg<AnyBuffer>().template Arg<AnyBuffer>()

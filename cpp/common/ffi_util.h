@@ -76,37 +76,48 @@ inline ffi::Error expect_optional(const AnyBuffer& buf, const char* what,
 template <DataType T>
 using DT = std::integral_constant<DataType, T>;
 
-// Calls f(DT<X>{}, DT<Y>{}, DT<W>{}) for the element types of a row-norm:
-// x in {f32, bf16, f16, f64}; the output y and the parameters w each either in
-// x's dtype or in f32. Python casts every other combination to one of these,
-// which keeps the number of kernel instantiations small.
+// Calls f(DT<X>{}) for x in {f32, bf16, f16, f64}.
 template <typename F>
-ffi::Error dispatch_row_types(DataType x, DataType y, DataType w, F&& f) {
-  auto with_x = [&](auto xt) -> ffi::Error {
-    constexpr DataType X = decltype(xt)::value;
-    auto with_y = [&](auto yt) -> ffi::Error {
-      if (w == X) return f(xt, yt, DT<X>{});
-      if (w == DataType::F32) return f(xt, yt, DT<DataType::F32>{});
-      return ffi::Error::InvalidArgument(
-          std::string("jaxnorm: parameters of dtype ") + dtype_name(w) +
-          " are not supported with x of dtype " + dtype_name(X));
-    };
-    if (y == X) return with_y(DT<X>{});
-    if (y == DataType::F32) return with_y(DT<DataType::F32>{});
-    return ffi::Error::InvalidArgument(
-        std::string("jaxnorm: output dtype ") + dtype_name(y) +
-        " is not supported with x of dtype " + dtype_name(X));
-  };
+ffi::Error dispatch_x_type(DataType x, F&& f) {
   switch (x) {
-    case DataType::F32: return with_x(DT<DataType::F32>{});
-    case DataType::BF16: return with_x(DT<DataType::BF16>{});
-    case DataType::F16: return with_x(DT<DataType::F16>{});
-    case DataType::F64: return with_x(DT<DataType::F64>{});
+    case DataType::F32: return f(DT<DataType::F32>{});
+    case DataType::BF16: return f(DT<DataType::BF16>{});
+    case DataType::F16: return f(DT<DataType::F16>{});
+    case DataType::F64: return f(DT<DataType::F64>{});
     default:
       return ffi::Error::InvalidArgument(
           std::string("jaxnorm: x has dtype ") + dtype_name(x) +
           ", expected float16, bfloat16, float32 or float64");
   }
+}
+
+// Calls f(DT<Y>{}, DT<W>{}) for the output y and the parameters w of a
+// row-norm whose x is X: each either in x's dtype or in f32. Python casts
+// every other combination to one of these, which keeps the number of kernel
+// instantiations small.
+template <DataType X, typename F>
+ffi::Error dispatch_y_w_types(DataType y, DataType w, F&& f) {
+  auto with_y = [&](auto yt) -> ffi::Error {
+    if (w == X) return f(yt, DT<X>{});
+    if (w == DataType::F32) return f(yt, DT<DataType::F32>{});
+    return ffi::Error::InvalidArgument(
+        std::string("jaxnorm: parameters of dtype ") + dtype_name(w) +
+        " are not supported with x of dtype " + dtype_name(X));
+  };
+  if (y == X) return with_y(DT<X>{});
+  if (y == DataType::F32) return with_y(DT<DataType::F32>{});
+  return ffi::Error::InvalidArgument(
+      std::string("jaxnorm: output dtype ") + dtype_name(y) +
+      " is not supported with x of dtype " + dtype_name(X));
+}
+
+// Calls f(DT<X>{}, DT<Y>{}, DT<W>{}): both dispatches above.
+template <typename F>
+ffi::Error dispatch_row_types(DataType x, DataType y, DataType w, F&& f) {
+  return dispatch_x_type(x, [&](auto xt) {
+    return dispatch_y_w_types<decltype(xt)::value>(
+        y, w, [&](auto yt, auto wt) { return f(xt, yt, wt); });
+  });
 }
 
 // Statistics are float32, or float64 when x is float64.

@@ -9,7 +9,11 @@
   X(row_norm_fwd)                   \
   X(row_norm_bwd)                   \
   X(channel_norm_fwd)               \
-  X(channel_norm_bwd)
+  X(channel_norm_bwd)               \
+  X(local_response_norm_fwd)        \
+  X(local_response_norm_bwd)        \
+  X(channel_softmax_fwd)            \
+  X(channel_softmax_bwd)
 
 #define JAXNORM_FFI_TARGETS(X) \
   X(row_norm_fwd)              \

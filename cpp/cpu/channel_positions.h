@@ -29,10 +29,4 @@ void store_channels(const ChannelShape& s, X* y, int64_t base, const std::vector
   for (int64_t c = 0; c < s.c; ++c) store(y, base + c * s.b, v[c]);
 }
 
-// Calls f(DT<X>{}) for x's floating dtype.
-template <typename F>
-ffi::Error dispatch_x_type(DataType x, F&& f) {
-  return dispatch_row_types(x, x, x, [&](auto xt, auto, auto) { return f(xt); });
-}
-
 }  // namespace jaxnorm::cpu

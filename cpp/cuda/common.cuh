@@ -23,6 +23,15 @@ template <> struct Native<DataType::BF16> { using type = __nv_bfloat16; };
 template <> struct Native<DataType::F16> { using type = __half; };
 template <typename D> using native_t = typename Native<D::value>::type;
 
+// The DataType of a native type: native_t's inverse.
+template <typename T>
+constexpr DataType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DataType::F32;
+  else if constexpr (std::is_same_v<T, double>) return DataType::F64;
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return DataType::BF16;
+  else return DataType::F16;
+}
+
 // Accumulation type: double for double, float for everything else.
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;

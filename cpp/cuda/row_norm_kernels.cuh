@@ -844,14 +844,10 @@ inline bool split_fits_slots(int parts, int threads) {
 // At least one block an SM: the bound lets ptxas take up to 128 registers
 // (more with kAccInRegs), where by itself it gave some instantiations 64 and
 // spilled (float32 with a cluster a row: 16 bytes).
-// kTwoBlocks (only the plans benchmark takes it, to measure): blocks of at
-// most 256 threads, two an SM, in at most 128 registers.
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs, bool kBulk = false, bool kTwoBlocks = false>
-__global__ void __launch_bounds__(kTwoBlocks    ? 256
-                                  : !kAccInRegs ? kMaxRowThreads
-                                                : kAccRegsThreads,
-                                  kTwoBlocks ? 2 : 1) bwd_regs(BwdArgs a) {
+          bool kAccInRegs, bool kBulk = false>
+__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads, 1)
+    bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
   constexpr bool kWideDy = sizeof(G) > sizeof(X);
@@ -1188,15 +1184,9 @@ __global__ void __launch_bounds__(kLongThreads) bwd_long(BwdArgs a) {
 // column a thread (4-byte loads), 30 float32 rows of 65536 took 7.4 us, 31%
 // of DRAM's bandwidth, under Nsight Compute with the caches flushed (RMSNorm
 // 512x65536 on an H100, benchmarks/NOTES.md v55).
-// kAfterPrimary (only the plans benchmark takes it, to measure): launched as
-// a programmatic dependent of the backward (sm_90), it waits here for the
-// backward's grid to end and its writes to show.
-template <typename W, typename A, int kCols, bool kAfterPrimary = false>
+template <typename W, typename A, int kCols>
 __global__ void __launch_bounds__(256) sum_partials(const A* partial, int64_t parts,
                                                    int64_t hidden, W* out0, W* out1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kAfterPrimary) asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
   using Cols = Packed<A, kCols>;
   __shared__ Cols tile[8][32];
   const A* p = partial + int64_t(blockIdx.y) * parts * hidden;

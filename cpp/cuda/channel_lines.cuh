@@ -1,0 +1,187 @@
+// What the CUDA kernels of the ops along the channels (local response
+// normalization, the channel softmax) share: a line, one position's C channels
+// of channels-last x, held in registers by a team of lanes.
+//
+// A team of L lanes (a power of two up to a warp) takes a line of `vecs`
+// vectors of V channels; lane i holds the line's vectors j * L + i, j < M, so
+// that each load instruction of a team reads contiguous memory and a warp's
+// teams read neighbouring lines. Reductions over the line are shuffles within
+// the team. One read and one write of x (two reads for a backward) is all the
+// memory traffic: XLA's fusions of these ops read x again for each reduction
+// or window (notes v47, v50, v60).
+#pragma once
+
+#include <cmath>
+
+#include "common/channel_args.h"
+#include "cuda/common.cuh"
+
+namespace jaxnorm::cuda {
+
+constexpr int kLineThreads = 256;
+// Vectors a lane holds (M) at most. On an H100 (notes v61) 4 lost: LRN's
+// backward of 256 bf16 channels in teams of 8 lanes took 92 µs against 58-65
+// in teams of 16-32 at 1-2 vectors, and the softmax of 1000 bf16 channels
+// (32 lanes of 4 vectors) ran at 0.89x XLA's fusion.
+constexpr int kMaxLineVecs = 3;
+
+// Lanes a line: the fewest for at most 3 vectors a lane, at most a warp (the
+// LRN harness on an H100, notes v61: 96 bf16 channels ran at 96% of copy in
+// teams of 4 lanes of 3 vectors, 46-70% with 2 lanes of 6).
+struct LinePlan {
+  int lanes = 1, log_lanes = 0, m = 1;
+};
+
+inline bool plan_line(int64_t vecs, LinePlan* p) {
+  while (p->lanes < 32 && p->lanes * 3 < vecs) p->lanes *= 2, ++p->log_lanes;
+  p->m = int((vecs + p->lanes - 1) / p->lanes);
+  return p->m <= kMaxLineVecs;
+}
+
+// This thread's place: its team's line and its lane in the team.
+struct LineLane {
+  int lanes, log_lanes, lane;
+  int64_t vecs;
+  __device__ int64_t vec(int j) const { return int64_t(j) * lanes + lane; }
+  __device__ bool holds(int j) const { return vec(j) < vecs; }
+};
+
+// M vectors of V channels of a line, in float.
+template <int M, int V>
+using LineVals = float[M][V];
+
+// Loads the lane's vectors of the line at `line` (absent ones, and all of an
+// invalid line's, as `fill`).
+template <typename X, int M, int V>
+__device__ __forceinline__ void load_line(const LineLane& t, const X* line, bool valid,
+                                          float fill, LineVals<M, V>& out) {
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    if (valid && t.holds(j)) {
+      const auto p = *reinterpret_cast<const Packed<X, V>*>(line + t.vec(j) * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[j][e] = to_acc(p.v[e]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[j][e] = fill;
+    }
+  }
+}
+
+template <typename X, int M, int V>
+__device__ __forceinline__ void store_line(const LineLane& t, X* line, bool valid,
+                                           const LineVals<M, V>& in) {
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    if (valid && t.holds(j)) {
+      Packed<X, V> p;
+#pragma unroll
+      for (int e = 0; e < V; ++e) p.v[e] = from_acc<X>(in[j][e]);
+      *reinterpret_cast<Packed<X, V>*>(line + t.vec(j) * V) = p;
+    }
+  }
+}
+
+// op over the team's lanes of each lane's v: every lane gets the result.
+template <typename Op>
+__device__ __forceinline__ float team_reduce(const LineLane& t, float v, Op op) {
+  for (int offset = t.lanes / 2; offset > 0; offset /= 2) {
+    v = op(v, __shfl_xor_sync(0xffffffffu, v, offset, t.lanes));
+  }
+  return v;
+}
+
+// The kernel every op along the channels runs: each team applies
+// `op(lane, in0, in1, out, valid)` to its line (in1 may be null), the block's
+// teams taking consecutive lines and the grid striding over them. Every
+// thread takes every round (a team's shuffles need all of its lanes); lanes
+// of lines past the end load fill values and store nothing.
+template <typename X, int M, int V, typename Op>
+__global__ void __launch_bounds__(kLineThreads)
+    each_line(int64_t lines, int64_t c, LinePlan plan, const X* in0, const X* in1, X* out,
+              Op op) {
+  const LineLane t{plan.lanes, plan.log_lanes, int(threadIdx.x) & (plan.lanes - 1), c / V};
+  const int teams = kLineThreads >> plan.log_lanes;
+  for (int64_t first = int64_t(blockIdx.x) * teams; first < lines;
+       first += int64_t(gridDim.x) * teams) {
+    const int64_t line = first + (threadIdx.x >> plan.log_lanes);
+    const bool valid = line < lines;
+    const int64_t at = valid ? line * c : 0;
+    op.template apply<X, M, V>(t, in0 + at, in1 ? in1 + at : nullptr, out + at, valid);
+  }
+}
+
+// Calls f(integral_constant<V>) for the widest vector of V channels (16 bytes
+// at most, at least kMinVec channels) that C and every pointer allow.
+// XLA's buffers are aligned to at least 16 bytes, so C decides.
+template <typename X, int kMinVec, typename F>
+ffi::Error with_line_vec(int64_t c, std::initializer_list<const void*> ptrs, F&& f) {
+  auto fits = [&](int v) {
+    bool ok = c % v == 0;
+    for (const void* q : ptrs) ok = ok && reinterpret_cast<uintptr_t>(q) % (v * sizeof(X)) == 0;
+    return ok;
+  };
+  constexpr int kWide = int(16 / sizeof(X));
+  if (fits(kWide)) return f(std::integral_constant<int, kWide>{});
+  if constexpr (kWide / 2 >= kMinVec) {
+    if (fits(kWide / 2)) return f(std::integral_constant<int, kWide / 2>{});
+  }
+  if constexpr (kWide / 4 >= kMinVec) {
+    if (fits(kWide / 4)) return f(std::integral_constant<int, kWide / 4>{});
+  }
+  if constexpr (kWide / 8 >= kMinVec) {
+    if (fits(kWide / 8)) return f(std::integral_constant<int, kWide / 8>{});
+  }
+  return ffi::Error::InvalidArgument(
+      "jaxnorm: CUDA kernels along the channels take lines of a multiple of " +
+      std::to_string(kMinVec) + " channels on aligned buffers, got " + std::to_string(c) +
+      " channels");
+}
+
+// Launches each_line over x's (M, C, 1) lines for x of 16- or 32-bit floats.
+template <typename X, int V, typename Op>
+ffi::Error launch_lines(cudaStream_t stream, int device, const ChannelShape& s, const X* in0,
+                        const X* in1, X* out, Op op, const char* what) {
+  if (s.b != 1) {
+    return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what +
+                                       " on CUDA takes channels-last x (B == 1), got B = " +
+                                       std::to_string(s.b));
+  }
+  LinePlan plan;
+  if (!plan_line(s.c / V, &plan)) {
+    return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what + " on CUDA takes at most " +
+                                       std::to_string(32 * kMaxLineVecs * V) +
+                                       " channels of this dtype, got " + std::to_string(s.c));
+  }
+  if (s.size() == 0) return ffi::Error::Success();
+  const int teams = kLineThreads >> plan.log_lanes;
+  const int64_t wave = int64_t(device_info(device).sms) * (2048 / kLineThreads);
+  const int grid = int(std::min<int64_t>((s.m + teams - 1) / teams, wave));
+  auto go = [&](auto m) {
+    each_line<X, decltype(m)::value, V><<<grid, kLineThreads, 0, stream>>>(s.m, s.c, plan, in0,
+                                                                          in1, out, op);
+  };
+  switch (plan.m) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    default: go(std::integral_constant<int, 3>{}); break;
+  }
+  return last_launch_error(what);
+}
+
+// Calls f(DT<X>{}) for x of float32, bfloat16 or float16: the lines run in
+// float32 (float64 x lowers to jax.numpy on CUDA).
+template <typename F>
+ffi::Error dispatch_line_type(DataType x, F&& f) {
+  switch (x) {
+    case DataType::F32: return f(DT<DataType::F32>{});
+    case DataType::BF16: return f(DT<DataType::BF16>{});
+    case DataType::F16: return f(DT<DataType::F16>{});
+    default:
+      return ffi::Error::InvalidArgument(
+          std::string("jaxnorm: CUDA kernels along the channels take float32, bfloat16 or "
+                      "float16 x, got ") + dtype_name(x));
+  }
+}
+
+}  // namespace jaxnorm::cuda

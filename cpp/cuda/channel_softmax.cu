@@ -1,0 +1,125 @@
+// CUDA handlers for the softmax over the channels of channels-last x:
+// y = exp(x - max) / sum exp(x - max); dx = y * (dy - sum dy * y), y
+// recomputed from x. A line in registers (channel_lines.cuh), its max and sums
+// reduced by shuffles within its team: each pass reads x once. Lines of up to
+// 3 vectors of 4-16 bytes a lane of a warp (768 bf16 channels, 384 float32);
+// others, other layouts and float64 lower to jax.numpy (channel_softmax.py).
+#include "cuda/channel_lines.cuh"
+
+namespace jaxnorm::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// v: the lane's vectors of a line (absent channels -inf), replaced by their
+// softmax over the team's line.
+template <int M, int V>
+__device__ __forceinline__ void softmax_line(const LineLane& t, LineVals<M, V>& v) {
+  float top = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) top = fmaxf(top, v[j][e]);
+  }
+  top = team_reduce(t, top, [](float a, float b) { return fmaxf(a, b); });
+  // exp(x - top) as exp2(x log2e - top log2e): one FMA and one MUFU.EX2.
+  const float shift = top * kLog2e;
+  float total = 0.0f;
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) total += (v[j][e] = exp2f(fmaf(v[j][e], kLog2e, -shift)));
+  }
+  const float inv = 1.0f / team_reduce(t, total, [](float a, float b) { return a + b; });
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[j][e] *= inv;
+  }
+}
+
+struct SoftmaxFwdLine {
+  template <typename X, int M, int V>
+  __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X*, X* y,
+                                        bool valid) const {
+    float v[M][V];
+    load_line<X, M, V>(t, x, valid, -INFINITY, v);  // absent channels: exp gives 0
+    softmax_line<M, V>(t, v);
+    store_line<X, M, V>(t, y, valid, v);
+  }
+};
+
+// dx = y * (dy - sum dy * y), y recomputed from x in float32 (XLA's fusion of
+// the same math does too; the saved y would be rounded to x's dtype).
+struct SoftmaxBwdLine {
+  template <typename X, int M, int V>
+  __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X* dy, X* dx,
+                                        bool valid) const {
+    float v[M][V], g[M][V];
+    load_line<X, M, V>(t, x, valid, -INFINITY, v);
+    load_line<X, M, V>(t, dy, valid, 0.0f, g);
+    softmax_line<M, V>(t, v);
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) dot = fmaf(g[j][e], v[j][e], dot);
+    }
+    dot = team_reduce(t, dot, [](float a, float b) { return a + b; });
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) g[j][e] = v[j][e] * (g[j][e] - dot);
+    }
+    store_line<X, M, V>(t, dx, valid, g);
+  }
+};
+
+template <typename Op>
+ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& in0, const AnyBuffer* in1,
+               AnyBuffer& out, const char* what) {
+  ChannelShape s;
+  if (in1) {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(in0, {{in1, "dy"}, {&out, "dx"}}, &s));
+  } else {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(in0, {{&out, "y"}}, &s));
+  }
+  if (s.size() == 0) return ffi::Error::Success();
+  return dispatch_line_type(in0.element_type(), [&](auto xt) -> ffi::Error {
+    using X = native_t<decltype(xt)>;
+    const X* a = static_cast<const X*>(in0.untyped_data());
+    const X* b = in1 ? static_cast<const X*>(in1->untyped_data()) : nullptr;
+    X* o = static_cast<X*>(out.untyped_data());
+    // Vectors of 2-byte channels lost to XLA's fusion (notes v61).
+    return with_line_vec<X, 4 / sizeof(X)>(s.c, {a, b, o}, [&](auto vt) {
+      return launch_lines<X, decltype(vt)::value>(stream, device, s, a, b, o, Op{}, what);
+    });
+  });
+}
+
+ffi::Error softmax_fwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x,
+                            ffi::Result<AnyBuffer> y) {
+  return run<SoftmaxFwdLine>(stream, device, x, nullptr, *y, "channel_softmax_fwd");
+}
+
+ffi::Error softmax_bwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuffer dy,
+                            ffi::Result<AnyBuffer> dx) {
+  return run<SoftmaxBwdLine>(stream, device, x, &dy, *dx, "channel_softmax_bwd");
+}
+
+}  // namespace
+}  // namespace jaxnorm::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    cuda_channel_softmax_fwd, jaxnorm::cuda::softmax_fwd_impl,
+    jaxnorm::bind_channel_softmax_fwd(xla::ffi::Ffi::Bind()
+                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                          .Ctx<xla::ffi::DeviceOrdinal>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    cuda_channel_softmax_bwd, jaxnorm::cuda::softmax_bwd_impl,
+    jaxnorm::bind_channel_softmax_bwd(xla::ffi::Ffi::Bind()
+                                          .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                          .Ctx<xla::ffi::DeviceOrdinal>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
