@@ -70,8 +70,8 @@ __device__ __forceinline__ void load_line(const LineLane& t, const X* line, bool
 
 // Stored as 32-bit words by store_global_words: with plain stores of Packed
 // vectors the compiler split one of a line's three 16-byte stores into four
-// (SASS), and LRN's forward ran 19% slower than the same kernel storing words
-// (notes v61).
+// (SASS); storing words took the softmax over 150 bf16 classes from 24.7 to
+// 21.8 µs on an H100 (notes v61).
 template <typename X, int M, int V>
 __device__ __forceinline__ void store_line(const LineLane& t, X* line, bool valid,
                                            const LineVals<M, V>& in) {
