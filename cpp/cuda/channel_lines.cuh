@@ -177,15 +177,15 @@ ffi::Error launch_lines(cudaStream_t stream, int device, const ChannelShape& s, 
 // float32 (float64 x lowers to jax.numpy on CUDA).
 template <typename F>
 ffi::Error dispatch_line_type(DataType x, F&& f) {
-  switch (x) {
-    case DataType::F32: return f(DT<DataType::F32>{});
-    case DataType::BF16: return f(DT<DataType::BF16>{});
-    case DataType::F16: return f(DT<DataType::F16>{});
-    default:
+  return dispatch_x_type(x, [&](auto xt) -> ffi::Error {
+    if constexpr (decltype(xt)::value == DataType::F64) {
       return ffi::Error::InvalidArgument(
-          std::string("jaxnorm: CUDA kernels along the channels take float32, bfloat16 or "
-                      "float16 x, got ") + dtype_name(x));
-  }
+          "jaxnorm: CUDA kernels along the channels take float32, bfloat16 or float16 x, "
+          "got float64");
+    } else {
+      return f(xt);
+    }
+  });
 }
 
 }  // namespace jaxnorm::cuda
