@@ -57,6 +57,9 @@ def _along_layout(x, axis, n_in):
     return Layout(roles=tuple(roles), ins=(every,) * n_in, outs=(every,))
 
 
+_LINE_DTYPES = {np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)}
+
+
 def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
     """Whether the CUDA kernels along the channels take x viewed as (M, C, B)
     (cpp/cuda/channel_lines.cuh): channels last (B == 1), a 16- or 32-bit
@@ -78,8 +81,6 @@ def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
     return -(-vecs // lanes) <= 3
 
 
-_LINE_DTYPES = {np.dtype(np.float32), np.dtype(jax.numpy.bfloat16), np.dtype(np.float16)}
-
 
 def define_along_channels(
     name: str,
@@ -94,9 +95,9 @@ def define_along_channels(
     along the channels at each position of x viewed as (M, C, B). The
     references are the same math in jax.numpy on (M, C, B). The backward
     takes x, not y: under grad with y dead, the forward is not run at all.
-    x is never split on its channel axis
-    (a sharded one is gathered). `supports(platform, x, **attrs)` says where
-    a platform's handlers take x (M, C, B); elsewhere the reference runs."""
+    x is never split on its channel axis (a sharded one is gathered).
+    `supports(platform, x, **attrs)` says where a platform's handlers take x
+    (M, C, B); elsewhere the reference runs."""
 
     def kernel(suffix, reference):
         return define_kernel_primitive(
