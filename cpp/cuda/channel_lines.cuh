@@ -11,6 +11,7 @@
 // or window (notes v47, v50, v60).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "common/channel_args.h"
@@ -185,6 +186,30 @@ ffi::Error dispatch_line_type(DataType x, F&& f) {
     } else {
       return f(xt);
     }
+  });
+}
+
+// What every handler along the channels does first: checks x (and dy, for a
+// backward) against out, then calls f(integral_constant<V>, in0, in1, out)
+// with x's type and the widest vector of at least kMinVec channels and
+// kMinBytes bytes (with_line_vec). Empty arrays launch nothing.
+template <int kMinVec, int kMinBytes, typename F>
+ffi::Error with_line_buffers(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer& out,
+                             ChannelShape* s, F&& f) {
+  if (dy) {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{dy, "dy"}, {&out, "dx"}}, s));
+  } else {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{&out, "y"}}, s));
+  }
+  if (s->size() == 0) return ffi::Error::Success();
+  return dispatch_line_type(x.element_type(), [&](auto xt) -> ffi::Error {
+    using X = native_t<decltype(xt)>;
+    const X* in0 = static_cast<const X*>(x.untyped_data());
+    const X* in1 = dy ? static_cast<const X*>(dy->untyped_data()) : nullptr;
+    X* o = static_cast<X*>(out.untyped_data());
+    constexpr int kMin = std::max<int>(kMinVec, kMinBytes / int(sizeof(X)));
+    return with_line_vec<X, kMin>(s->c, {in0, in1, o},
+                                  [&](auto vt) { return f(vt, in0, in1, o); });
   });
 }
 

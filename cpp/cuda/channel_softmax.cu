@@ -76,24 +76,13 @@ struct SoftmaxBwdLine {
 };
 
 template <typename Op>
-ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& in0, const AnyBuffer* in1,
+ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& x, const AnyBuffer* dy,
                AnyBuffer& out, const char* what) {
   ChannelShape s;
-  if (in1) {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(in0, {{in1, "dy"}, {&out, "dx"}}, &s));
-  } else {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(in0, {{&out, "y"}}, &s));
-  }
-  if (s.size() == 0) return ffi::Error::Success();
-  return dispatch_line_type(in0.element_type(), [&](auto xt) -> ffi::Error {
-    using X = native_t<decltype(xt)>;
-    const X* a = static_cast<const X*>(in0.untyped_data());
-    const X* b = in1 ? static_cast<const X*>(in1->untyped_data()) : nullptr;
-    X* o = static_cast<X*>(out.untyped_data());
-    // Vectors of 2-byte channels lost to XLA's fusion (notes v61).
-    return with_line_vec<X, 4 / sizeof(X)>(s.c, {a, b, o}, [&](auto vt) {
-      return launch_lines<X, decltype(vt)::value>(stream, device, s, a, b, o, Op{}, what);
-    });
+  // Vectors of 2-byte channels lost to XLA's fusion (notes v61).
+  return with_line_buffers<1, 4>(x, dy, out, &s, [&](auto vt, auto in0, auto in1, auto o) {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
+    return launch_lines<X, decltype(vt)::value>(stream, device, s, in0, in1, o, Op{}, what);
   });
 }
 

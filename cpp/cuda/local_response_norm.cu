@@ -119,33 +119,23 @@ template <bool kBwd>
 ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& x, const AnyBuffer* dy,
                AnyBuffer& out, int64_t size, double alpha, double beta, double k) {
   const char* what = kBwd ? "local_response_norm_bwd" : "local_response_norm_fwd";
-  ChannelShape s;
-  if (kBwd) {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{dy, "dy"}, {&out, "dx"}}, &s));
-  } else {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{&out, "y"}}, &s));
-  }
   JAXNORM_RETURN_IF_ERROR(check_lrn({size, alpha, beta, k}));
   const LrnConsts p{float(alpha / double(size)), float(beta), float(k)};
-  return dispatch_line_type(x.element_type(), [&](auto xt) -> ffi::Error {
-    using X = native_t<decltype(xt)>;
-    const X* in0 = static_cast<const X*>(x.untyped_data());
-    const X* in1 = kBwd ? static_cast<const X*>(dy->untyped_data()) : nullptr;
-    X* o = static_cast<X*>(out.untyped_data());
-    // A window reaches 3 channels each way at most: one vector of 4 or more.
-    return with_line_vec<X, 4>(s.c, {in0, in1, o}, [&](auto vt) -> ffi::Error {
-      constexpr int V = decltype(vt)::value;
-      auto go = [&](auto op) { return launch_lines<X, V>(stream, device, s, in0, in1, o, op, what); };
-      switch (size) {
-        case 3: return go(LrnLine<3, kBwd>{p});
-        case 5: return go(LrnLine<5, kBwd>{p});
-        case 7: return go(LrnLine<7, kBwd>{p});
-        default:
-          return ffi::Error::InvalidArgument(
-              std::string("jaxnorm: ") + what + " on CUDA takes windows of 3, 5 or 7 channels, "
-              "got " + std::to_string(size));
-      }
-    });
+  ChannelShape s;
+  // A window reaches 3 channels each way at most: one vector of 4 or more.
+  return with_line_buffers<4, 1>(x, dy, out, &s, [&](auto vt, auto in0, auto in1, auto o) {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
+    constexpr int V = decltype(vt)::value;
+    auto go = [&](auto op) { return launch_lines<X, V>(stream, device, s, in0, in1, o, op, what); };
+    switch (size) {
+      case 3: return go(LrnLine<3, kBwd>{p});
+      case 5: return go(LrnLine<5, kBwd>{p});
+      case 7: return go(LrnLine<7, kBwd>{p});
+      default:
+        return ffi::Error::InvalidArgument(
+            std::string("jaxnorm: ") + what + " on CUDA takes windows of 3, 5 or 7 channels, "
+            "got " + std::to_string(size));
+    }
   });
 }
 
