@@ -40,10 +40,12 @@ inline bool plan_line(int64_t vecs, LinePlan* p) {
 }
 
 // This thread's place: its team's line and its lane in the team.
+// 32-bit vector indices (a line has at most 96 vectors), so that a lane's
+// addresses are one 64-bit base and 32-bit offsets.
 struct LineLane {
   int lanes, log_lanes, lane;
-  int64_t vecs;
-  __device__ int64_t vec(int j) const { return int64_t(j) * lanes + lane; }
+  int vecs;
+  __device__ int vec(int j) const { return j * lanes + lane; }
   __device__ bool holds(int j) const { return vec(j) < vecs; }
 };
 
@@ -52,19 +54,40 @@ template <int M, int V>
 using LineVals = float[M][V];
 
 // Loads the lane's vectors of the line at `line` (absent ones, and all of an
-// invalid line's, as `fill`).
-template <typename X, int M, int V>
+// invalid line's, as `fill`). kEvery: first every load, unconditionally (an
+// absent vector's from the line's first, which is in bounds: an invalid
+// line's `line` is x's first), then the conversions and the fill: no load
+// waits behind a branch. A load under its own branch waited for the loads
+// before it (SASS: LRN's backward at 3 vectors a lane issued its x and dy as
+// 4 loads, then 1, then 1, and ran 27-30% behind the harness kernel, which
+// issues them together; notes v61-v62). Otherwise (lines with many absent
+// vectors, whose loads kEvery would add) the fill first and each load with
+// its conversion under its condition.
+template <typename X, int M, int V, bool kEvery>
 __device__ __forceinline__ void load_line(const LineLane& t, const X* line, bool valid,
                                           float fill, LineVals<M, V>& out) {
+  RegVec<X, V> raw[M];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
-    if (valid && t.holds(j)) {
-      const auto p = *reinterpret_cast<const Packed<X, V>*>(line + t.vec(j) * V);
-#pragma unroll
-      for (int e = 0; e < V; ++e) out[j][e] = to_acc(p.v[e]);
+    const bool here = valid && t.holds(j);
+    if constexpr (kEvery) {
+      raw[j].load(line + (here ? t.vec(j) * V : 0));
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e) out[j][e] = fill;
+      if (here) {
+        raw[j].load(line + t.vec(j) * V);
+#pragma unroll
+        for (int e = 0; e < V; ++e) out[j][e] = raw[j].get(e);
+      }
+    }
+  }
+  if constexpr (kEvery) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+      const bool here = valid && t.holds(j);
+#pragma unroll
+      for (int e = 0; e < V; ++e) out[j][e] = here ? float(raw[j].get(e)) : fill;
     }
   }
 }
@@ -100,12 +123,16 @@ __device__ __forceinline__ float team_reduce(const LineLane& t, float v, Op op) 
 // `op(lane, in0, in1, out, valid)` to its line (in1 may be null), the block's
 // teams taking consecutive lines and the grid striding over them. Every
 // thread takes every round (a team's shuffles need all of its lanes); lanes
-// of lines past the end load fill values and store nothing.
+// of lines past the end load fill values and store nothing. Op::kMinBlocks
+// (0: ptxas's choice) bounds the registers ptxas may give a thread: LRN's
+// forward at 4 blocks an SM (64 registers) and its backward at 2 (128) ran
+// 2-6% faster on an H200 than at ptxas's choice (notes v62).
 template <typename X, int M, int V, typename Op>
-__global__ void __launch_bounds__(kLineThreads)
+__global__ void __launch_bounds__(kLineThreads, Op::kMinBlocks)
     each_line(int64_t lines, int64_t c, LinePlan plan, const X* in0, const X* in1, X* out,
               Op op) {
-  const LineLane t{plan.lanes, plan.log_lanes, int(threadIdx.x) & (plan.lanes - 1), c / V};
+  const LineLane t{plan.lanes, plan.log_lanes, int(threadIdx.x) & (plan.lanes - 1),
+                   int(c / V)};
   const int teams = kLineThreads >> plan.log_lanes;
   for (int64_t first = int64_t(blockIdx.x) * teams; first < lines;
        first += int64_t(gridDim.x) * teams) {

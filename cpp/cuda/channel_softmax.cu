@@ -38,12 +38,18 @@ __device__ __forceinline__ void softmax_line(const LineLane& t, LineVals<M, V>& 
   }
 }
 
+// Lines of the softmax load under their conditions, at ptxas's own register
+// count: loading every vector (load_line's kEvery) took the forward over 150
+// bf16 classes, whose lines leave 21 of 96 slots absent, from 19.9 to 21.0 us
+// on an H200, 21.0-21.3 with 4 blocks an SM as well; the backward moved by 1-2%
+// (notes v62).
 struct SoftmaxFwdLine {
+  static constexpr int kMinBlocks = 0;  // each_line
   template <typename X, int M, int V>
   __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X*, X* y,
                                         bool valid) const {
     float v[M][V];
-    load_line<X, M, V>(t, x, valid, -INFINITY, v);  // absent channels: exp gives 0
+    load_line<X, M, V, false>(t, x, valid, -INFINITY, v);  // absent channels: exp gives 0
     softmax_line<M, V>(t, v);
     store_line<X, M, V>(t, y, valid, v);
   }
@@ -52,12 +58,13 @@ struct SoftmaxFwdLine {
 // dx = y * (dy - sum dy * y), y recomputed from x in float32 (XLA's fusion of
 // the same math does too; the saved y would be rounded to x's dtype).
 struct SoftmaxBwdLine {
+  static constexpr int kMinBlocks = 0;  // each_line
   template <typename X, int M, int V>
   __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X* dy, X* dx,
                                         bool valid) const {
     float v[M][V], g[M][V];
-    load_line<X, M, V>(t, x, valid, -INFINITY, v);
-    load_line<X, M, V>(t, dy, valid, 0.0f, g);
+    load_line<X, M, V, false>(t, x, valid, -INFINITY, v);
+    load_line<X, M, V, false>(t, dy, valid, 0.0f, g);
     softmax_line<M, V>(t, v);
     float dot = 0.0f;
 #pragma unroll

@@ -70,6 +70,7 @@ struct LrnConsts {
 // j in c's window when c is in [j - (size - 1) / 2, j + size / 2].
 template <int kSize, bool kBwd>
 struct LrnLine {
+  static constexpr int kMinBlocks = kBwd ? 2 : 4;  // each_line
   LrnConsts p;
 
   template <typename X, int M, int V>
@@ -77,8 +78,8 @@ struct LrnLine {
                                         bool valid) const {
     constexpr int kLo = kSize / 2, kHi = (kSize - 1) / 2;
     float v[M][V], g[M][V], s[M][V], w[M][V];
-    load_line<X, M, V>(t, x, valid, 0.0f, v);
-    if constexpr (kBwd) load_line<X, M, V>(t, dy, valid, 0.0f, g);
+    load_line<X, M, V, true>(t, x, valid, 0.0f, v);
+    if constexpr (kBwd) load_line<X, M, V, true>(t, dy, valid, 0.0f, g);
 #pragma unroll
     for (int j = 0; j < M; ++j) {
 #pragma unroll
