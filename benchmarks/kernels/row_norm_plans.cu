@@ -97,6 +97,15 @@ __global__ void copy_params_kernel(const uint4* in, uint4* out, const uint4* w, 
 // An empty kernel launched in clusters of `size` blocks.
 __global__ void empty_cluster_kernel() {}
 
+// fwd_block_row over a cluster of kParts blocks a row at NV vectors a thread
+// (each block adds, normalizes and writes its own slice): the decode forward
+// with the residual add, where two plain blocks sharing a row would race on h
+// written in place.
+template <int VEC, int NV, bool kC, bool kEarly, int kParts>
+__global__ void __launch_bounds__(512) fwd_cluster_rows(FwdArgs a) {
+  fwd_block_row<bf16, bf16, bf16, VEC, NV, kC, true, kEarly, 1, 0, kParts>(a);
+}
+
 float empty_cluster_us(cudaStream_t s, int blocks, int size) {
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t config = cluster_config(unsigned(blocks), 256, 0, size, s, attr);
@@ -658,6 +667,44 @@ int main(int argc, char** argv) {
       few_fwd(two{}, yes{}, yes{}, one{}, true);
       few_fwd(two{}, yes{}, yes{}, two{}, true);
       few_fwd(two{}, yes{}, yes{}, one{}, true, true);
+      // The residual add over a cluster of P blocks a row at NV vectors a
+      // thread (nvP+r), its y against the planned kernel's (y-diff).
+      if (!c.centered && info.clusters) {
+        FwdArgs ar = fa;
+        ar.residual = res, ar.new_residual = h;
+        CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(
+            s, info, block_fwd_nv(c.rows, nvec, true, true, false, info), ar));
+        const std::vector<float> y_planned = to_host(y, n, true);
+        auto cluster_fwd = [&](auto nv, auto parts, auto early) {
+          constexpr int NV = decltype(nv)::value, P = decltype(parts)::value;
+          constexpr bool kEarly = decltype(early)::value;
+          const int threads = threads_per_row((nvec + P - 1) / P, NV);
+          if (threads < 32 || threads > 512) return;
+          auto kernel = fwd_cluster_rows<VEC, NV, false, kEarly, P>;
+          const size_t smem = fwd_block_smem<bf16, bf16, VEC, NV, false, true, kEarly>(threads, true);
+          CHECK(allow_dynamic_smem_once(kernel, smem, info));
+          const unsigned grid = unsigned(c.rows * P);
+          const float us = time_us(s, [&] {
+            CHECK(launch_clusters(kernel, grid, threads, smem, P, s, ar));
+          });
+          const std::vector<float> got = to_host(y, n, true);
+          double diff = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            const double d = std::abs(double(got[i]) - y_planned[i]);
+            diff = std::max(diff, d / (1 + std::abs(double(y_planned[i]))));
+          }
+          char name[16];
+          std::snprintf(name, sizeof name, "%d%sc%d+r", NV, kEarly ? "e" : "", P);
+          const double bytes = 2.0 * n * 2 * 2;
+          std::printf("%-3s %-9s %12s %5s %4d %3d %6u %6zu %9.1f %6.0f %4.0f%%  y-diff %.1e\n",
+                      op, "fwd", shape, name, threads, 1, grid, smem, us, bytes / us / 1e3,
+                      100 * bytes / us / 1e3 / copy, diff);
+        };
+        cluster_fwd(four{}, two{}, yes{});
+        cluster_fwd(four{}, two{}, no{});
+        cluster_fwd(four{}, four{}, yes{});
+        cluster_fwd(std::integral_constant<int, 8>{}, two{}, no{});
+      }
       // What the forward's bytes alone take here: one kernel that copies
       // x to y (and residual to new_residual), the decode kernels' pattern
       // without their reduction.
