@@ -81,7 +81,6 @@ def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
     return -(-vecs // lanes) <= 3
 
 
-
 def define_along_channels(
     name: str,
     *,
