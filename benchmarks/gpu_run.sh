@@ -11,8 +11,9 @@
 # -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
 # SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
 # kernels/mbarrier_racecheck.cu's orderings alone; "channel_plans",
-# kernels/channel_plans.cu; "lrn_lines", kernels/lrn_lines.cu: these three
-# and "plans" alone skip the jaxnorm build); SKIP_BUILD=1 keeps an earlier
+# kernels/channel_plans.cu; "lrn_lines", kernels/lrn_lines.cu;
+# "softmax_lines", kernels/softmax_lines.cu: these four and "plans" alone skip
+# the jaxnorm build); SKIP_BUILD=1 keeps an earlier
 # build; PREBUILT=1 takes the module built elsewhere for this machine's Python
 # and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans
 # and lrn_lines for their steps: benchmarks/prebuild.sh), from the source
@@ -40,7 +41,7 @@ fi
   | tee "$OUT/device.txt"
 needs_build=$([ -z "$STEPS" ] && echo 1)  # the build alone
 for s in $STEPS; do  # the mbarrier check and the C++ harnesses need no jaxnorm build
-  case $s in mbarrier|channel_plans|lrn_lines|plans) ;; *) needs_build=1 ;; esac
+  case $s in mbarrier|channel_plans|lrn_lines|softmax_lines|plans) ;; *) needs_build=1 ;; esac
 done
 if [ -n "$needs_build" ]; then
   echo "== build"
@@ -172,6 +173,11 @@ fi
 if step lrn_lines && harness lrn_lines; then
   echo "== LRN with a line in registers (C++, kernels/lrn_lines.cu)"
   /tmp/lrn_lines 2>&1 | tee "$OUT/lrn_lines.txt"
+fi
+
+if step softmax_lines && harness softmax_lines; then
+  echo "== the channel softmax's teams of lanes (C++, kernels/softmax_lines.cu)"
+  /tmp/softmax_lines 2>&1 | tee "$OUT/softmax_lines.txt"
 fi
 
 if step plans && harness row_norm_plans; then

@@ -81,6 +81,13 @@ def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
     return -(-vecs // lanes) <= 3
 
 
+def cuda_positions_fit(x) -> bool:
+    """Whether the CUDA kernels that walk each position's channels take x
+    viewed as (M, C, B): channels not last (B > 1) and a 16- or 32-bit float
+    dtype (local response normalization's lrn_positions)."""
+    return x.shape[2] > 1 and np.dtype(x.dtype) in _LINE_DTYPES
+
+
 def define_along_channels(
     name: str,
     *,

@@ -16,7 +16,7 @@ from jax import lax
 
 from jaxnorm import _checks
 from jaxnorm._channels import channel_axis as _channel_axis
-from jaxnorm._channels import cuda_line_fits, define_along_channels
+from jaxnorm._channels import cuda_line_fits, cuda_positions_fit, define_along_channels
 from jaxnorm._stats import stats_dtype
 
 
@@ -56,9 +56,11 @@ def _attributes(*, size, alpha, beta, k):
 
 
 def _supports(platform, x, *, size, **_):
-    """The CUDA kernels: channels last, windows of 3, 5 or 7 channels (one
-    vector of at least 4 channels each way)."""
-    return platform != "cuda" or (size in (3, 5, 7) and cuda_line_fits(x, min_vec=4))
+    """The CUDA kernels: windows of 3, 5 or 7 channels; channels last in lines
+    a warp holds (one vector of at least 4 channels each way), or channels
+    not last (a thread walks each position's channels)."""
+    return platform != "cuda" or (
+        size in (3, 5, 7) and (cuda_line_fits(x, min_vec=4) or cuda_positions_fit(x)))
 
 
 _lrn = define_along_channels(

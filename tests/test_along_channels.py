@@ -59,6 +59,12 @@ LRN_CASES = [  # shape, axis, size
     ((5, 12), -1, 5),
     ((37, 760), -1, 5),
     ((9, 24), -1, 7),
+    # channels first, a thread a position on CUDA: windows of 3, 5 and 7 over
+    # fewer channels than a window, a chunk of loads (8) or several chunks
+    ((2, 96, 11, 13), 1, 3),
+    ((3, 37, 9, 9), 1, 7),
+    ((4, 2, 33), 1, 7),
+    ((2, 130, 35), 1, 5),
 ]
 
 
@@ -125,6 +131,11 @@ LINE_CASES = [  # shape, axis
     ((41, 256), -1),
     ((33, 257), -1),
     ((9, 4096), -1),
+    # Lines of 4-byte vectors in teams of 16 lanes of 4-5 vectors (the
+    # softmax's 16-bit lines of 98 and 150 channels, float32's of 75):
+    ((300, 150), -1),
+    ((200, 98), -1),
+    ((300, 75), -1),
 ]
 
 
@@ -168,6 +179,7 @@ FIT_CASES = [  # shape, axis, dtype
     ((50, 150), -1, jnp.bfloat16),
     ((50, 150), -1, jnp.float32),
     ((5, 12, 16), 1, jnp.bfloat16),
+    ((2, 96, 27, 27), 1, jnp.bfloat16),
     ((50, 16), -1, jnp.float64),
 ]
 
@@ -178,7 +190,7 @@ def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
     """The compiled forward and backward call the platform's handlers where it
     takes the line (the CPU's every line; CUDA's, cuda_line_fits), the
     gradient alone runs no forward, and both are right either way."""
-    from jaxnorm._channels import cuda_line_fits
+    from jaxnorm._channels import cuda_line_fits, cuda_positions_fit
 
     platform = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     if platform not in jaxnorm.kernel_platforms():
@@ -193,7 +205,8 @@ def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
     view = jax.ShapeDtypeStruct((x.size // c // math.prod(shape[axis:][1:]), c,
                                  math.prod(shape[axis:][1:])), dtype)
     need = dict(min_vec=4) if name == "lrn" else dict(min_bytes=4)
-    expected = platform == "cpu" or cuda_line_fits(view, **need)
+    expected = (platform == "cpu" or cuda_line_fits(view, **need)
+                or (name == "lrn" and cuda_positions_fit(view)))
     for suffix in ("fwd", "bwd"):
         called = f'custom_call_target="jaxnorm_{target}_{suffix}"' in hlo[suffix]
         assert called == expected, suffix
@@ -219,6 +232,16 @@ def test_cuda_line_fits():
     assert not cuda_line_fits(jax.ShapeDtypeStruct((7, 21, 1), jnp.bfloat16), min_bytes=4)
     assert cuda_line_fits(jax.ShapeDtypeStruct((7, 150, 1), jnp.bfloat16), min_bytes=4)
     assert cuda_line_fits(jax.ShapeDtypeStruct((7, 21, 1), jnp.float32), min_bytes=4)
+
+
+def test_cuda_positions_fit():
+    from jaxnorm._channels import cuda_positions_fit
+
+    def fits(b, dtype):
+        return cuda_positions_fit(jax.ShapeDtypeStruct((7, 96, b), dtype))
+
+    assert fits(3025, jnp.bfloat16) and fits(2, jnp.float32) and fits(5, jnp.float16)
+    assert not fits(1, jnp.bfloat16) and not fits(3025, jnp.float64)
 
 
 def test_softmax_of_minus_infinity_is_zero():

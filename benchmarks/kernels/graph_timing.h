@@ -3,9 +3,14 @@
 // graph.
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
+
+#include <cstdio>
+#include <ctime>
+#include <string>
 
 #include <cuda_bf16.h>
 
@@ -71,3 +76,56 @@ float time_us(cudaStream_t s, F launch, int calls = 20, int reps = 7) {
   CHECK(cudaGraphDestroy(graph));
   return ms[ms.size() / 2] * 1e3f / calls;
 }
+
+// Today's date (UTC), YYYY-MM-DD, for a harness's output.
+inline std::string utc_date() {
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  return date;
+}
+
+// Lines of channels-last x for the along-channel harnesses: `lines` lines of
+// c channels.
+struct LineCase {
+  int64_t lines;
+  int c;
+  const char* name;
+};
+
+// The largest |got - want| over the values added, relative to the largest
+// |want|.
+struct RelativeError {
+  double err = 0, peak = 0;
+  void add(double got, double want) {
+    err = std::fmax(err, std::fabs(got - want));
+    peak = std::fmax(peak, std::fabs(want));
+  }
+  double value() const { return err / peak; }
+};
+
+// One LineCase's bf16 x and dy (filled), an output and a copy's target on the
+// device; the copy bandwidth of x there (GB/s, read + write; printed with the
+// device's name); x and dy on the host.
+struct LineData {
+  int64_t n;
+  __nv_bfloat16 *x, *dy, *out, *copy_to;
+  float copy;
+  std::vector<float> hx, hdy;
+
+  LineData(cudaStream_t s, const cudaDeviceProp& prop, const LineCase& k) : n(k.lines * k.c) {
+    for (__nv_bfloat16** q : {&x, &dy, &out, &copy_to}) CHECK(cudaMalloc(q, n * 2));
+    fill<<<1024, 256, 0, s>>>(x, n, 1, 0.0f);
+    fill<<<1024, 256, 0, s>>>(dy, n, 2, 0.0f);
+    const float us = time_us(s, [&] {
+      CHECK(cudaMemcpyAsync(copy_to, x, n * 2, cudaMemcpyDeviceToDevice, s));
+    });
+    copy = 2.0f * n * 2 / us / 1e3f;
+    std::printf("device %s, %d SMs, %s: copy %.0f GB/s (%.1f us)\n", prop.name,
+                prop.multiProcessorCount, k.name, copy, us);
+    hx = to_host(x, n, true), hdy = to_host(dy, n, true);
+  }
+  ~LineData() {
+    for (__nv_bfloat16* q : {x, dy, out, copy_to}) cudaFree(q);
+  }
+};

@@ -9,12 +9,13 @@
 // the backward of the benchmark's LRN shapes at several team sizes against a
 // device-to-device copy, and checks each against a float64 host reference on
 // sampled lines. The handlers' kernels (cpp/cuda/channel_lines.cuh) took
-// this design and its team sizes from these timings (notes v61).
+// this design and its team sizes from these timings (notes v61). The
+// handlers' kernel for channels-first x (lrn_positions) is timed on the same
+// bytes read as NCHW, at several chunks of channels in flight.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 benchmarks/kernels/lrn_lines.cu -o lrn_lines && ./lrn_lines
 #include <cmath>
 #include <cstdio>
-#include <ctime>
 #include <vector>
 
 #include <cuda_bf16.h>
@@ -155,7 +156,7 @@ double check(const std::vector<float>& hx, const std::vector<float>& hdy,
              const std::vector<float>& got, int64_t lines, int c, int size, LrnParams p,
              bool bwd) {
   const int lo = size / 2, hi = (size - 1) / 2;
-  double err = 0, peak = 0;
+  RelativeError rel;
   std::vector<double> den(c), t(c);
   for (int64_t line = 0; line < lines; line += 97) {
     const float* x = &hx[line * c];
@@ -173,22 +174,15 @@ double check(const std::vector<float>& hx, const std::vector<float>& hdy,
         for (int d = ch - hi; d <= ch + lo; ++d) around += d >= 0 && d < c ? t[d] : 0;
         want = g[ch] * std::pow(den[ch], -p.beta) - 2.0 * p.alpha * p.beta / size * x[ch] * around;
       }
-      err = std::fmax(err, std::fabs(got[line * c + ch] - want));
-      peak = std::fmax(peak, std::fabs(want));
+      rel.add(got[line * c + ch], want);
     }
   }
-  return err / peak;
+  return rel.value();
 }
-
-struct Case {
-  int64_t lines;
-  int c;
-  const char* name;
-};
 
 // Times lrn_lines<L, C / 8 / L> forward and backward on one case.
 template <int L, int M>
-void run(cudaStream_t s, const Case& k, int grid, float copy, const bf16* x, const bf16* dy,
+void run(cudaStream_t s, const LineCase& k, int grid, float copy, const bf16* x, const bf16* dy,
          bf16* out, const std::vector<float>& hx, const std::vector<float>& hdy) {
   if (M * L * kVec < k.c || (M - 1) * L * kVec >= k.c) return;  // not this case's split
   // alpha well above PyTorch's default 1e-4, so that the window's sums show
@@ -211,7 +205,7 @@ void run(cudaStream_t s, const Case& k, int grid, float copy, const bf16* x, con
 // The handlers' kernel on the same case and grid rule (hd), for the gap
 // between the bench's 62.8 µs and this file's 52.9 at 128x55x55x96 (v61).
 template <int M>
-void run_handler(cudaStream_t s, const Case& k, int sms, float copy, const bf16* x,
+void run_handler(cudaStream_t s, const LineCase& k, int sms, float copy, const bf16* x,
                  const bf16* dy, bf16* out, const std::vector<float>& hx,
                  const std::vector<float>& hdy) {
   using namespace jaxnorm::cuda;
@@ -241,6 +235,50 @@ void run_handler(cudaStream_t s, const Case& k, int sms, float copy, const bf16*
   }
 }
 
+// Channels-first x (NCHW, M = n, B = positions): the handlers' lrn_positions
+// at kChunk channels' loads in flight, checked against the same reference on
+// the lines gathered channels-last.
+template <int kChunk>
+void run_positions(cudaStream_t s, const LineCase& k, int64_t positions, int sms, float copy,
+                   const bf16* x, const bf16* dy, bf16* out, const std::vector<float>& hx,
+                   const std::vector<float>& hdy) {
+  using namespace jaxnorm::cuda;
+  const LrnParams p{0.5f, 0.75f, 1.0f};
+  const LrnConsts pc{p.alpha / 5, p.beta, p.k};
+  const int64_t n = k.lines * k.c, m = k.lines / positions;
+  const jaxnorm::ChannelShape shape{m, k.c, positions};
+  const int grid =
+      int(std::min<int64_t>((k.lines + kLineThreads - 1) / kLineThreads, int64_t(sms) * 8));
+  auto lines_of = [&](const std::vector<float>& v) {  // (m, c, b) -> (m, b, c)
+    std::vector<float> t(n);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t c = 0; c < k.c; ++c) {
+        for (int64_t b = 0; b < positions; ++b) {
+          t[(i * positions + b) * k.c + c] = v[(i * k.c + c) * positions + b];
+        }
+      }
+    }
+    return t;
+  };
+  const std::vector<float> lx = lines_of(hx), ldy = lines_of(hdy);
+  for (bool bwd : {false, true}) {
+    const float us = time_us(s, [&] {
+      if (bwd) {
+        lrn_positions<bf16, 5, true, kChunk><<<grid, kLineThreads, 0, s>>>(shape, x, dy, out, pc);
+      } else {
+        lrn_positions<bf16, 5, false, kChunk><<<grid, kLineThreads, 0, s>>>(shape, x, nullptr,
+                                                                           out, pc);
+      }
+    });
+    CHECK(cudaGetLastError());
+    const double err = check(lx, ldy, lines_of(to_host(out, n, true)), k.lines, k.c, 5, p, bwd);
+    const double bytes = (bwd ? 3.0 : 2.0) * n * sizeof(bf16);
+    std::printf("lrn %-4s %-14s nchw chunk=%-2d %6.1f us %6.0f GB/s %4.0f%%  err %.1e\n",
+                bwd ? "bwd" : "fwd", k.name, kChunk, us, bytes / us / 1e3,
+                100 * bytes / us / 1e3 / copy, err);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -248,34 +286,27 @@ int main() {
   CHECK(cudaStreamCreate(&s));
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
-  char date[16];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
-  const Case cases[] = {{128 * 55 * 55, 96, "128x55x55x96"}, {128 * 27 * 27, 256, "128x27x27x256"}};
-  for (const Case& k : cases) {
-    const int64_t n = k.lines * k.c;
-    bf16 *x, *dy, *out, *copy_to;
-    for (bf16** q : {&x, &dy, &out, &copy_to}) CHECK(cudaMalloc(q, n * sizeof(bf16)));
-    fill<<<1024, 256, 0, s>>>(x, n, 1, 0.0f);
-    fill<<<1024, 256, 0, s>>>(dy, n, 2, 0.0f);
-    const float copy_us = time_us(s, [&] {
-      CHECK(cudaMemcpyAsync(copy_to, x, n * sizeof(bf16), cudaMemcpyDeviceToDevice, s));
-    });
-    const float copy = 2.0f * n * sizeof(bf16) / copy_us / 1e3f;
-    std::printf("device %s, %d SMs, %s: copy %.0f GB/s (%.1f us)\n", prop.name,
-                prop.multiProcessorCount, k.name, copy, copy_us);
-    const std::vector<float> hx = to_host(x, n, true), hdy = to_host(dy, n, true);
-    const int grid = prop.multiProcessorCount * (2048 / kThreads);
-    run<2, 6>(s, k, grid, copy, x, dy, out, hx, hdy);
-    run<4, 3>(s, k, grid, copy, x, dy, out, hx, hdy);
-    run<8, 4>(s, k, grid, copy, x, dy, out, hx, hdy);
-    run<16, 2>(s, k, grid, copy, x, dy, out, hx, hdy);
-    run<32, 1>(s, k, grid, copy, x, dy, out, hx, hdy);
-    run_handler<1>(s, k, prop.multiProcessorCount, copy, x, dy, out, hx, hdy);
-    run_handler<2>(s, k, prop.multiProcessorCount, copy, x, dy, out, hx, hdy);
-    run_handler<3>(s, k, prop.multiProcessorCount, copy, x, dy, out, hx, hdy);
-    for (bf16* q : {x, dy, out, copy_to}) CHECK(cudaFree(q));
+  const LineCase cases[] = {{128 * 55 * 55, 96, "128x55x55x96"},
+                            {128 * 27 * 27, 256, "128x27x27x256"}};
+  const int sms = prop.multiProcessorCount;
+  for (const LineCase& k : cases) {
+    const LineData d(s, prop, k);
+    const int grid = sms * (2048 / kThreads);
+    run<2, 6>(s, k, grid, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run<4, 3>(s, k, grid, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run<8, 4>(s, k, grid, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run<16, 2>(s, k, grid, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run<32, 1>(s, k, grid, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run_handler<1>(s, k, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run_handler<2>(s, k, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    run_handler<3>(s, k, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    if (k.c == 96) {  // the same bytes as NCHW 128x96x55x55
+      const LineCase nchw{k.lines, k.c, "128x96x55x55"};
+      run_positions<8>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<16>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<24>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+    }
   }
-  std::printf("%s\n", date);
+  std::printf("%s\n", utc_date().c_str());
   return 0;
 }

@@ -20,23 +20,33 @@
 namespace jaxnorm::cuda {
 
 constexpr int kLineThreads = 256;
-// Vectors a lane holds (M) at most. On an H100 (notes v61) 4 lost: LRN's
+// Vectors a lane holds (M) at most in a team of 32 lanes, which bounds the
+// lines the kernels take, and in any team but where an op allows more
+// (Op::max_vecs, up to kMaxLaneVecs). On an H100 (notes v61) 4 lost: LRN's
 // backward of 256 bf16 channels in teams of 8 lanes took 92 µs against 58-65
 // in teams of 16-32 at 1-2 vectors, and the softmax of 1000 bf16 channels
-// (32 lanes of 4 vectors) ran at 0.89x XLA's fusion.
+// (32 lanes of 4 vectors) ran at 0.89x XLA's fusion (1.02-1.04x in notes
+// v63's harness, after v62's loads).
 constexpr int kMaxLineVecs = 3;
 
-// Lanes a line: the fewest for at most 3 vectors a lane, at most a warp (the
-// LRN harness on an H100, notes v61: 96 bf16 channels ran at 96% of copy in
-// teams of 4 lanes of 3 vectors, 46-70% with 2 lanes of 6).
+// Lanes a line: the fewest for at most max_m vectors a lane, at most a warp;
+// false where a warp's lanes would need more than kMaxLineVecs each (the
+// lines the kernels take: cuda_line_fits in jaxnorm/_channels.py). 3 vectors
+// a lane (the LRN harness on an H100, notes v61: 96 bf16 channels ran at 96%
+// of copy in teams of 4 lanes of 3 vectors, 46-70% with 2 lanes of 6); an op
+// may take up to kMaxLaneVecs of narrower vectors (Op::max_vecs).
 struct LinePlan {
   int lanes = 1, log_lanes = 0, m = 1;
 };
 
-inline bool plan_line(int64_t vecs, LinePlan* p) {
-  while (p->lanes < 32 && p->lanes * 3 < vecs) p->lanes *= 2, ++p->log_lanes;
+constexpr int kMaxLaneVecs = 5;
+
+inline bool plan_line(int64_t vecs, LinePlan* p, int max_m = kMaxLineVecs) {
+  if (vecs > 32 * kMaxLineVecs) return false;
+  *p = LinePlan{};
+  while (p->lanes < 32 && p->lanes * max_m < vecs) p->lanes *= 2, ++p->log_lanes;
   p->m = int((vecs + p->lanes - 1) / p->lanes);
-  return p->m <= kMaxLineVecs;
+  return true;
 }
 
 // This thread's place: its team's line and its lane in the team.
@@ -170,17 +180,20 @@ ffi::Error with_line_vec(int64_t c, std::initializer_list<const void*> ptrs, F&&
       " channels");
 }
 
-// Launches each_line over x's (M, C, 1) lines for x of 16- or 32-bit floats.
+// Launches each_line over x's (M, C, 1) lines for x of 16- or 32-bit floats,
+// at up to Op::max_vecs(V * sizeof(X)) vectors a lane (at most kMaxLaneVecs).
 template <typename X, int V, typename Op>
 ffi::Error launch_lines(cudaStream_t stream, int device, const ChannelShape& s, const X* in0,
                         const X* in1, X* out, Op op, const char* what) {
+  constexpr int kMaxM = Op::max_vecs(V * int(sizeof(X)));
+  static_assert(kMaxM >= kMaxLineVecs && kMaxM <= kMaxLaneVecs);
   if (s.b != 1) {
     return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what +
                                        " on CUDA takes channels-last x (B == 1), got B = " +
                                        std::to_string(s.b));
   }
   LinePlan plan;
-  if (!plan_line(s.c / V, &plan)) {
+  if (!plan_line(s.c / V, &plan, kMaxM)) {
     return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what + " on CUDA takes at most " +
                                        std::to_string(32 * kMaxLineVecs * V) +
                                        " channels of this dtype, got " + std::to_string(s.c));
@@ -196,7 +209,9 @@ ffi::Error launch_lines(cudaStream_t stream, int device, const ChannelShape& s, 
   switch (plan.m) {
     case 1: go(std::integral_constant<int, 1>{}); break;
     case 2: go(std::integral_constant<int, 2>{}); break;
-    default: go(std::integral_constant<int, 3>{}); break;
+    case 3: go(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (kMaxM >= 4) go(std::integral_constant<int, 4>{}); break;
+    default: if constexpr (kMaxM >= 5) go(std::integral_constant<int, 5>{}); break;
   }
   return last_launch_error(what);
 }

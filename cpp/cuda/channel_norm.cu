@@ -216,14 +216,8 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
 // Not command-buffer compatible: they allocate scratch for the partial results.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_channel_norm_fwd, jaxnorm::cuda::channel_norm_fwd_impl,
-    jaxnorm::bind_channel_norm_fwd(xla::ffi::Ffi::Bind()
-                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                       .Ctx<xla::ffi::DeviceOrdinal>()
-                                       .Ctx<xla::ffi::ScratchAllocator>()));
+    jaxnorm::bind_channel_norm_fwd(jaxnorm::cuda::cuda_bind().Ctx<xla::ffi::ScratchAllocator>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_channel_norm_bwd, jaxnorm::cuda::channel_norm_bwd_impl,
-    jaxnorm::bind_channel_norm_bwd(xla::ffi::Ffi::Bind()
-                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                       .Ctx<xla::ffi::DeviceOrdinal>()
-                                       .Ctx<xla::ffi::ScratchAllocator>()));
+    jaxnorm::bind_channel_norm_bwd(jaxnorm::cuda::cuda_bind().Ctx<xla::ffi::ScratchAllocator>()));

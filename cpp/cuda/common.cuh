@@ -742,6 +742,11 @@ class ClusterSum {
   uint32_t phases_ = 0;  // bit t: the parity of the phase set t waits for
 };
 
+// The FFI binding every CUDA handler starts from: its stream and device.
+inline auto cuda_bind() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
+}
+
 inline ffi::Error last_launch_error(const char* what) {
   return cuda_error(cudaGetLastError(), what);
 }

@@ -1,10 +1,12 @@
-// CUDA handlers for local response normalization across the channels of
-// channels-last x, as PyTorch's: y = x * den^-beta, den = k + alpha / size *
+// CUDA handlers for local response normalization across the channels of x,
+// as PyTorch's: y = x * den^-beta, den = k + alpha / size *
 // (sum of x^2 over the window of size channels, size / 2 before the channel
-// and (size - 1) / 2 after, clipped at the line's ends). A line in registers
-// (channel_lines.cuh); a window reaches into the neighbouring lanes' vectors
-// by shuffles. Windows of 3, 5 and 7 channels (others, other layouts and
-// float64 lower to jax.numpy: local_response_norm.py's _supports).
+// and (size - 1) / 2 after, clipped at the line's ends). Channels-last x: a
+// line in registers (channel_lines.cuh), a window reaching into the
+// neighbouring lanes' vectors by shuffles. Channels-first x (NCHW): a thread
+// walks each position's channels (lrn_positions). Windows of 3, 5 and 7
+// channels (others and float64 lower to jax.numpy: local_response_norm.py's
+// _supports).
 #include "cuda/channel_lines.cuh"
 
 namespace jaxnorm::cuda {
@@ -71,6 +73,7 @@ struct LrnConsts {
 template <int kSize, bool kBwd>
 struct LrnLine {
   static constexpr int kMinBlocks = kBwd ? 2 : 4;  // each_line
+  static constexpr int max_vecs(int) { return kMaxLineVecs; }  // launch_lines
   LrnConsts p;
 
   template <typename X, int M, int V>
@@ -116,27 +119,138 @@ struct LrnLine {
   }
 };
 
+// Channels-first x (B > 1, NCHW): a thread takes a position of one of the M
+// lines and walks its C channels in order, the last kSize channels' values in
+// registers, so that a warp's load of a channel is 32 consecutive positions
+// and x is read once. Each window is summed whole (a running sum's
+// subtractions would leave a large channel's rounding in its neighbours'
+// windows). Step i loads channel i and finishes channel ch = i - kHi, whose
+// window ends at i; the backward's dx of channel ch - kLo, whose transposed
+// window of t ends at ch, follows kLo steps behind. kChunk channels' loads
+// are in flight together: on an H100 (kernels/lrn_lines.cu, notes v63) 8
+// channels ran bf16 128x96x55x55 in 85.1 µs forward and 204.0 backward, 16 in
+// 87.7 and 304.0, 24 in 95.1 and 295.5.
+template <typename X, int kSize, bool kBwd, int kChunk = 8>
+__global__ void __launch_bounds__(kLineThreads) lrn_positions(ChannelShape s, const X* x,
+                                                              const X* dy, X* out, LrnConsts p) {
+  constexpr int kLo = kSize / 2, kHi = (kSize - 1) / 2;
+  const float coef = 2.0f * p.alpha_over_size * p.beta;
+  const int64_t steps = s.c + kHi + (kBwd ? kLo : 0);
+  for (int64_t pos = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; pos < s.m * s.b;
+       pos += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t at = pos / s.b * s.c * s.b + pos % s.b;  // its channel 0
+    // x, x^2 and dy of channels i - kSize + 1 .. i; t of channels
+    // ch - kSize + 1 .. ch; den^-beta of channels ch - kLo .. ch.
+    float xs[kSize] = {}, sq[kSize] = {}, gs[kSize] = {}, ts[kSize] = {}, us[kLo + 1] = {};
+    for (int64_t i0 = 0; i0 < steps; i0 += kChunk) {
+      // Offsets stepped by B (one 64-bit register each, not one a channel).
+      int64_t in_at = at + i0 * s.b, out_at = at + (i0 - kHi - (kBwd ? kLo : 0)) * s.b;
+      float xn[kChunk], gn[kChunk];
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u, in_at += s.b) {
+        const bool in = i0 + u < s.c;
+        xn[u] = in ? to_acc(x[in_at]) : 0.0f;
+        if constexpr (kBwd) gn[u] = in ? to_acc(dy[in_at]) : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kChunk; ++u, out_at += s.b) {
+        const int64_t ch = i0 + u - kHi;
+#pragma unroll
+        for (int d = 0; d + 1 < kSize; ++d) {
+          xs[d] = xs[d + 1], sq[d] = sq[d + 1], gs[d] = gs[d + 1];
+        }
+        xs[kSize - 1] = xn[u], sq[kSize - 1] = xn[u] * xn[u];
+        if constexpr (kBwd) gs[kSize - 1] = gn[u];
+        float sum = 0.0f;
+#pragma unroll
+        for (int d = 0; d < kSize; ++d) sum += sq[d];
+        const float den = p.k + p.alpha_over_size * sum;
+        const bool here = ch >= 0 && ch < s.c;
+        if constexpr (!kBwd) {
+          if (here) out[out_at] = from_acc<X>(xs[kLo] * pow_neg<X>(den, p.beta));
+        } else {
+          // den^-beta and den^(-beta - 1) from one log2.
+          const float lg = std::is_same_v<X, float> ? log2f(den) : __log2f(den);
+          const float pw = exp2f(-p.beta * lg), pw1 = exp2f((-p.beta - 1.0f) * lg);
+#pragma unroll
+          for (int d = 0; d + 1 < kSize; ++d) ts[d] = ts[d + 1];
+#pragma unroll
+          for (int d = 0; d < kLo; ++d) us[d] = us[d + 1];
+          ts[kSize - 1] = here ? gs[kLo] * xs[kLo] * pw1 : 0.0f;
+          us[kLo] = pw;
+          const int64_t j = ch - kLo;  // x_j, dy_j: xs[0], gs[0]
+          if (j >= 0 && j < s.c) {
+            float around = 0.0f;
+#pragma unroll
+            for (int d = 0; d < kSize; ++d) around += ts[d];
+            out[out_at] = from_acc<X>(gs[0] * us[0] - coef * xs[0] * around);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls f(LrnWindow<kSize>{}) for the window sizes the kernels take.
+template <int kSize>
+using LrnWindow = std::integral_constant<int, kSize>;
+template <typename F>
+ffi::Error with_window(int64_t size, const char* what, F&& f) {
+  switch (size) {
+    case 3: return f(LrnWindow<3>{});
+    case 5: return f(LrnWindow<5>{});
+    case 7: return f(LrnWindow<7>{});
+    default:
+      return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what +
+                                         " on CUDA takes windows of 3, 5 or 7 channels, got " +
+                                         std::to_string(size));
+  }
+}
+
+template <bool kBwd>
+ffi::Error run_positions(cudaStream_t stream, int32_t device, const AnyBuffer& x,
+                         const AnyBuffer* dy, AnyBuffer& out, int64_t size, LrnConsts p,
+                         const char* what) {
+  ChannelShape s;
+  if (dy) {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{dy, "dy"}, {&out, "dx"}}, &s));
+  } else {
+    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{&out, "y"}}, &s));
+  }
+  if (s.size() == 0) return ffi::Error::Success();
+  const int64_t wave = int64_t(device_info(device).sms) * (2048 / kLineThreads);
+  const int grid = int(std::min<int64_t>((s.m * s.b + kLineThreads - 1) / kLineThreads, wave));
+  return dispatch_line_type(x.element_type(), [&](auto xt) -> ffi::Error {
+    using X = native_t<decltype(xt)>;
+    const X* in0 = static_cast<const X*>(x.untyped_data());
+    const X* in1 = dy ? static_cast<const X*>(dy->untyped_data()) : nullptr;
+    X* o = static_cast<X*>(out.untyped_data());
+    return with_window(size, what, [&](auto w) {
+      lrn_positions<X, decltype(w)::value, kBwd><<<grid, kLineThreads, 0, stream>>>(s, in0, in1,
+                                                                                  o, p);
+      return last_launch_error(what);
+    });
+  });
+}
+
 template <bool kBwd>
 ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& x, const AnyBuffer* dy,
                AnyBuffer& out, int64_t size, double alpha, double beta, double k) {
   const char* what = kBwd ? "local_response_norm_bwd" : "local_response_norm_fwd";
   JAXNORM_RETURN_IF_ERROR(check_lrn({size, alpha, beta, k}));
   const LrnConsts p{float(alpha / double(size)), float(beta), float(k)};
+  if (x.dimensions().size() == 3 && x.dimensions()[2] > 1) {
+    return run_positions<kBwd>(stream, device, x, dy, out, size, p, what);
+  }
   ChannelShape s;
   // A window reaches 3 channels each way at most: one vector of 4 or more.
   return with_line_buffers<4, 1>(x, dy, out, &s, [&](auto vt, auto in0, auto in1, auto o) {
     using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
     constexpr int V = decltype(vt)::value;
-    auto go = [&](auto op) { return launch_lines<X, V>(stream, device, s, in0, in1, o, op, what); };
-    switch (size) {
-      case 3: return go(LrnLine<3, kBwd>{p});
-      case 5: return go(LrnLine<5, kBwd>{p});
-      case 7: return go(LrnLine<7, kBwd>{p});
-      default:
-        return ffi::Error::InvalidArgument(
-            std::string("jaxnorm: ") + what + " on CUDA takes windows of 3, 5 or 7 channels, "
-            "got " + std::to_string(size));
-    }
+    return with_window(size, what, [&](auto w) {
+      return launch_lines<X, V>(stream, device, s, in0, in1, o,
+                                LrnLine<decltype(w)::value, kBwd>{p}, what);
+    });
   });
 }
 
@@ -157,14 +271,10 @@ ffi::Error lrn_bwd_impl(cudaStream_t stream, int32_t device, AnyBuffer x, AnyBuf
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_local_response_norm_fwd, jaxnorm::cuda::lrn_fwd_impl,
-    jaxnorm::bind_lrn_fwd(xla::ffi::Ffi::Bind()
-                              .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                              .Ctx<xla::ffi::DeviceOrdinal>()),
+    jaxnorm::bind_lrn_fwd(jaxnorm::cuda::cuda_bind()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_local_response_norm_bwd, jaxnorm::cuda::lrn_bwd_impl,
-    jaxnorm::bind_lrn_bwd(xla::ffi::Ffi::Bind()
-                              .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                              .Ctx<xla::ffi::DeviceOrdinal>()),
+    jaxnorm::bind_lrn_bwd(jaxnorm::cuda::cuda_bind()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -80,17 +80,10 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_row_norm_fwd, jaxnorm::cuda::row_norm_fwd_impl,
-    jaxnorm::bind_row_norm_fwd(
-        xla::ffi::Ffi::Bind()
-            .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-            .Ctx<xla::ffi::DeviceOrdinal>()),
+    jaxnorm::bind_row_norm_fwd(jaxnorm::cuda::cuda_bind()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 // Not command-buffer compatible: it allocates scratch for the partial sums.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     cuda_row_norm_bwd, jaxnorm::cuda::row_norm_bwd_impl,
-    jaxnorm::bind_row_norm_bwd(
-        xla::ffi::Ffi::Bind()
-            .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-            .Ctx<xla::ffi::DeviceOrdinal>()
-            .Ctx<xla::ffi::ScratchAllocator>()));
+    jaxnorm::bind_row_norm_bwd(jaxnorm::cuda::cuda_bind().Ctx<xla::ffi::ScratchAllocator>()));
