@@ -1,7 +1,7 @@
 // The channel softmax's CUDA kernel (cpp/cuda/channel_softmax.cu: each_line
 // of its lines) on bf16 lines under several teams: L lanes a line, M vectors a
-// lane (the handler plans the fewest lanes for at most SoftmaxLines::max_vecs
-// vectors a lane, plan_line). Fewer lanes a line hold more of it each and
+// lane (the handler's is plan_line's, with SoftmaxLines::max_vecs). Fewer
+// lanes a line hold more of it each and
 // spend fewer shuffles on its max and sums; every load stays the vector width
 // the line allows. Times the forward and the backward, each with its loads
 // conditional and with every load made (load_line's kEvery), against a

@@ -29,12 +29,15 @@ constexpr int kLineThreads = 256;
 // v63's harness, after v62's loads).
 constexpr int kMaxLineVecs = 3;
 
-// Lanes a line: the fewest for at most max_m vectors a lane, at most a warp;
-// false where a warp's lanes would need more than kMaxLineVecs each (the
-// lines the kernels take: cuda_line_fits in jaxnorm/_channels.py). 3 vectors
-// a lane (the LRN harness on an H100, notes v61: 96 bf16 channels ran at 96%
-// of copy in teams of 4 lanes of 3 vectors, 46-70% with 2 lanes of 6); an op
-// may take up to kMaxLaneVecs of narrower vectors (Op::max_vecs).
+// Lanes a line: the fewest for at most kMaxLineVecs vectors a lane, at most a
+// warp (the LRN harness on an H100, notes v61: 96 bf16 channels ran at 96% of
+// copy in teams of 4 lanes of 3 vectors, 46-70% with 2 lanes of 6); false
+// where a warp's lanes would need more (the lines the kernels take:
+// cuda_line_fits in jaxnorm/_channels.py). A line that needs the whole warp
+// takes half of it where the op holds up to max_m vectors a lane (the
+// softmax's lines of 4-byte vectors, notes v63: 150 bf16 classes ran 22-24%
+// faster in 16 lanes of 5 than in 32 of 3; shorter lines kept their teams,
+// which ran fastest at 3 vectors a lane in 16-byte vectors).
 struct LinePlan {
   int lanes = 1, log_lanes = 0, m = 1;
 };
@@ -44,7 +47,8 @@ constexpr int kMaxLaneVecs = 5;
 inline bool plan_line(int64_t vecs, LinePlan* p, int max_m = kMaxLineVecs) {
   if (vecs > 32 * kMaxLineVecs) return false;
   *p = LinePlan{};
-  while (p->lanes < 32 && p->lanes * max_m < vecs) p->lanes *= 2, ++p->log_lanes;
+  while (p->lanes < 32 && p->lanes * kMaxLineVecs < vecs) p->lanes *= 2, ++p->log_lanes;
+  if (p->lanes == 32 && vecs <= 16 * max_m) p->lanes = 16, p->log_lanes = 4;
   p->m = int((vecs + p->lanes - 1) / p->lanes);
   return true;
 }

@@ -74,8 +74,9 @@ __device__ __forceinline__ void softmax_bwd_line(const LineLane& t, const X* x, 
 }
 
 // The softmax's teams and loads (kernels/softmax_lines.cu, notes v63). Lines
-// of 4-byte vectors (150 bf16 classes, say) take up to 5 vectors a lane,
-// other lines up to 3: on an H100, 150 bf16 classes ran forward / backward in
+// of 4-byte vectors that need a warp at 3 vectors a lane (150 bf16 classes,
+// say) take 16 lanes of up to 5 vectors (plan_line), other lines keep their
+// teams: on an H100, 150 bf16 classes ran forward / backward in
 // 20.9 / 29.8 µs in teams of 32 lanes of 3 vectors, 16.3 / 22.8 in 16 lanes of
 // 5 and 19.8 / 26.7 in 8 lanes of 10; 80 bf16 classes (16-byte vectors) ran
 // fastest in the 4 lanes of 3 (6.0 µs forward against 7.7 in 2 lanes of 5).
