@@ -107,13 +107,14 @@ def xla_batch_norm_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5)
 # over 1000 ImageNet classes; LRN as in AlexNet (size 5) on its first two
 # feature maps. NHWC: the channels last, as in Flax.
 ALONG_SHAPES = {"channel_softmax": [(16, 128, 128, 21), (16, 64, 64, 150), (16384, 1000)],
+                "channel_softmax_nchw": [(16, 150, 64, 64)],
                 "local_response_norm": [(128, 55, 55, 96), (128, 27, 27, 256)],
                 "local_response_norm_nchw": [(128, 96, 55, 55)]}
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)
 
 
-def xla_channel_softmax(x):
-    return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+def xla_channel_softmax(x, axis=-1):
+    return jax.nn.softmax(x.astype(jnp.float32), axis=axis).astype(x.dtype)
 
 
 def xla_local_response_norm(x, axis=-1):
@@ -127,8 +128,8 @@ def xla_local_response_norm(x, axis=-1):
     return (xf * (LRN["k"] + LRN["alpha"] / size * sums) ** -LRN["beta"]).astype(x.dtype)
 
 
-def jaxnorm_channel_softmax(x):
-    return jaxnorm.channel_softmax(x, channel_axis=-1)
+def jaxnorm_channel_softmax(x, axis=-1):
+    return jaxnorm.channel_softmax(x, channel_axis=axis)
 
 
 def jaxnorm_local_response_norm(x, axis=-1):
@@ -155,6 +156,9 @@ IMPLS = {
     "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm},
     "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
     "channel_softmax": {"jaxnorm": jaxnorm_channel_softmax, "xla": xla_channel_softmax},
+    "channel_softmax_nchw": {
+        "jaxnorm": functools.partial(jaxnorm_channel_softmax, axis=1),
+        "xla": functools.partial(xla_channel_softmax, axis=1)},
     "local_response_norm": {"jaxnorm": jaxnorm_local_response_norm,
                             "xla": xla_local_response_norm},
     "local_response_norm_nchw": {
@@ -424,7 +428,8 @@ def main():
               "GroupNorm and BatchNorm: NHWC x, float32 parameters (the bytes of x only); "
               "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW. "
               "channel_softmax and local_response_norm (size 5): NHWC x, over the channels "
-              "(torch's LRN takes NCHW); local_response_norm_nchw: NCHW x.",
+              "(torch's LRN takes NCHW); channel_softmax_nchw, local_response_norm_nchw: "
+              "NCHW x.",
     )
     if earlier is not None:
         base = earlier["meta"]

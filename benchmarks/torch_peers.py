@@ -25,7 +25,8 @@ EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6, "group_norm":
        "batch_norm": 1e-5, "batch_norm_eval": 1e-5}
 GROUPS = 32  # as bench_row_norm.py's
 CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
-ALONG_OPS = ("channel_softmax", "local_response_norm", "local_response_norm_nchw")
+ALONG_OPS = ("channel_softmax", "channel_softmax_nchw", "local_response_norm",
+             "local_response_norm_nchw")
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)  # as bench_row_norm.py
 
 
@@ -83,8 +84,8 @@ def _reference(op):
         y = (x.float() - rm) * torch.rsqrt(rv + EPS["batch_norm_eval"])
         return (y * w + b).to(x.dtype)
 
-    def softmax(x):
-        return torch.softmax(x.float(), -1).to(x.dtype)
+    def softmax(x, dim=-1):
+        return torch.softmax(x.float(), dim).to(x.dtype)
 
     def lrn(x, dim=-1):  # x NHWC
         size = LRN["size"]
@@ -96,7 +97,7 @@ def _reference(op):
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
             "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
-            "local_response_norm": lrn,
+            "channel_softmax_nchw": lambda x: softmax(x, dim=1), "local_response_norm": lrn,
             "local_response_norm_nchw": lambda x: lrn(x, dim=1)}[op]
 
 
@@ -123,15 +124,16 @@ def _eager(op):
     def batch_eval(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=False, eps=EPS["batch_norm_eval"])
 
-    def softmax(x):  # x NHWC
-        return F.softmax(x, -1)
+    def softmax(x, dim=-1):  # x NHWC (dim -1) or NCHW (dim 1)
+        return F.softmax(x, dim)
 
     def lrn(x):  # x NCHW, contiguous
         return F.local_response_norm(x, **LRN)
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
             "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
-            "local_response_norm": lrn, "local_response_norm_nchw": lrn}[op]
+            "channel_softmax_nchw": lambda x: softmax(x, dim=1), "local_response_norm": lrn,
+            "local_response_norm_nchw": lrn}[op]
 
 
 def _liger(op):
