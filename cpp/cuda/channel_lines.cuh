@@ -184,6 +184,13 @@ ffi::Error with_line_vec(int64_t c, std::initializer_list<const void*> ptrs, F&&
       " channels");
 }
 
+// Blocks of kLineThreads for `blocks`' worth of work, at most one wave: the
+// line kernels stride over the rest.
+inline int line_grid(int64_t blocks, int device) {
+  const int64_t wave = int64_t(device_info(device).sms) * (2048 / kLineThreads);
+  return int(std::min<int64_t>(blocks, wave));
+}
+
 // Launches each_line over x's (M, C, 1) lines for x of 16- or 32-bit floats,
 // at up to Op::max_vecs(V * sizeof(X)) vectors a lane (at most kMaxLaneVecs).
 template <typename X, int V, typename Op>
@@ -204,8 +211,7 @@ ffi::Error launch_lines(cudaStream_t stream, int device, const ChannelShape& s, 
   }
   if (s.size() == 0) return ffi::Error::Success();
   const int teams = kLineThreads >> plan.log_lanes;
-  const int64_t wave = int64_t(device_info(device).sms) * (2048 / kLineThreads);
-  const int grid = int(std::min<int64_t>((s.m + teams - 1) / teams, wave));
+  const int grid = line_grid((s.m + teams - 1) / teams, device);
   auto go = [&](auto m) {
     each_line<X, decltype(m)::value, V><<<grid, kLineThreads, 0, stream>>>(s.m, s.c, plan, in0,
                                                                           in1, out, op);
@@ -236,12 +242,11 @@ ffi::Error dispatch_line_type(DataType x, F&& f) {
 }
 
 // What every handler along the channels does first: checks x (and dy, for a
-// backward) against out, then calls f(integral_constant<V>, in0, in1, out)
-// with x's type and the widest vector of at least kMinVec channels and
-// kMinBytes bytes (with_line_vec). Empty arrays launch nothing.
-template <int kMinVec, int kMinBytes, typename F>
-ffi::Error with_line_buffers(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer& out,
-                             ChannelShape* s, F&& f) {
+// backward) against out, then calls f(in0, in1, out) with x's type. Empty
+// arrays launch nothing.
+template <typename F>
+ffi::Error with_line_operands(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer& out,
+                              ChannelShape* s, F&& f) {
   if (dy) {
     JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{dy, "dy"}, {&out, "dx"}}, s));
   } else {
@@ -250,9 +255,20 @@ ffi::Error with_line_buffers(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer&
   if (s->size() == 0) return ffi::Error::Success();
   return dispatch_line_type(x.element_type(), [&](auto xt) -> ffi::Error {
     using X = native_t<decltype(xt)>;
-    const X* in0 = static_cast<const X*>(x.untyped_data());
-    const X* in1 = dy ? static_cast<const X*>(dy->untyped_data()) : nullptr;
-    X* o = static_cast<X*>(out.untyped_data());
+    return f(static_cast<const X*>(x.untyped_data()),
+             dy ? static_cast<const X*>(dy->untyped_data()) : nullptr,
+             static_cast<X*>(out.untyped_data()));
+  });
+}
+
+// with_line_operands, then f(integral_constant<V>, in0, in1, out) with the
+// widest vector of at least kMinVec channels and kMinBytes bytes
+// (with_line_vec): the channels-last kernels' entry.
+template <int kMinVec, int kMinBytes, typename F>
+ffi::Error with_line_buffers(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer& out,
+                             ChannelShape* s, F&& f) {
+  return with_line_operands(x, dy, out, s, [&](auto in0, auto in1, auto o) {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
     constexpr int kMin = std::max<int>(kMinVec, kMinBytes / int(sizeof(X)));
     return with_line_vec<X, kMin>(s->c, {in0, in1, o},
                                   [&](auto vt) { return f(vt, in0, in1, o); });

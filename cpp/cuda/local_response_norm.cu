@@ -212,19 +212,9 @@ ffi::Error run_positions(cudaStream_t stream, int32_t device, const AnyBuffer& x
                          const AnyBuffer* dy, AnyBuffer& out, int64_t size, LrnConsts p,
                          const char* what) {
   ChannelShape s;
-  if (dy) {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{dy, "dy"}, {&out, "dx"}}, &s));
-  } else {
-    JAXNORM_RETURN_IF_ERROR(check_channel_op(x, {{&out, "y"}}, &s));
-  }
-  if (s.size() == 0) return ffi::Error::Success();
-  const int64_t wave = int64_t(device_info(device).sms) * (2048 / kLineThreads);
-  const int grid = int(std::min<int64_t>((s.m * s.b + kLineThreads - 1) / kLineThreads, wave));
-  return dispatch_line_type(x.element_type(), [&](auto xt) -> ffi::Error {
-    using X = native_t<decltype(xt)>;
-    const X* in0 = static_cast<const X*>(x.untyped_data());
-    const X* in1 = dy ? static_cast<const X*>(dy->untyped_data()) : nullptr;
-    X* o = static_cast<X*>(out.untyped_data());
+  return with_line_operands(x, dy, out, &s, [&](auto in0, auto in1, auto o) {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
+    const int grid = line_grid((s.m * s.b + kLineThreads - 1) / kLineThreads, device);
     return with_window(size, what, [&](auto w) {
       lrn_positions<X, decltype(w)::value, kBwd><<<grid, kLineThreads, 0, stream>>>(s, in0, in1,
                                                                                   o, p);
