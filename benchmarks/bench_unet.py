@@ -86,19 +86,23 @@ def main():
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="small models, to check the script")
+    ap.add_argument("--models", default=",".join(MODELS), help="e.g. resnet")
+    ap.add_argument("--variants", default=";".join(VARIANTS), help="e.g. 'jaxnorm;flax'")
     args = ap.parse_args()
     device = jax.devices()[0].device_kind
     sizes = TINY if args.tiny else MODELS
+    variants = args.variants.split(";")
     records, lines = [], []
-    for name, (batch, size, channels) in sizes.items():
-        times = {v: [] for v in VARIANTS}
+    for name in args.models.split(","):
+        batch, size, channels = sizes[name]
+        times = {v: [] for v in variants}
         for r in range(args.repeats):
             for v in times:
                 times[v].append(step_time_us(name, v, batch, size, channels,
                                              top=25 if r == 0 else 0))
                 print(f"# {name} [{v}]: {times[v][-1]:.0f} µs", flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
-        ratio = med["flax"] / med["jaxnorm"]
+        ratio = med["flax"] / med["jaxnorm"] if {"flax", "jaxnorm"} <= med.keys() else float("nan")
         records.append(dict(model=name, batch=batch, size=size, channels=channels,
                             us={k: [round(t, 1) for t in v] for k, v in times.items()},
                             median_us={k: round(v, 1) for k, v in med.items()},
@@ -112,8 +116,8 @@ def main():
         f"bf16; device time of a training step, µs: median of {args.repeats} compilations "
         "(range).",
         "",
-        "| model | batch | " + " | ".join(VARIANTS) + " | flax / jaxnorm |",
-        "|---|---|" + "---:|" * (len(VARIANTS) + 1),
+        "| model | batch | " + " | ".join(variants) + " | flax / jaxnorm |",
+        "|---|---|" + "---:|" * (len(variants) + 1),
         *lines,
     ])
     meta = dict(device=device, date=datetime.date.today().isoformat(), jax=jax.__version__,

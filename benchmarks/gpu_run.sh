@@ -15,11 +15,11 @@
 # "softmax_lines", kernels/softmax_lines.cu: these four and "plans" alone skip
 # the jaxnorm build); SKIP_BUILD=1 keeps an earlier
 # build; PREBUILT=1 takes the module built elsewhere for this machine's Python
-# and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/row_norm_plans
-# and lrn_lines for their steps: benchmarks/prebuild.sh), from the source
+# and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/'s harnesses
+# for their steps: benchmarks/prebuild.sh), from the source
 # tree, in place of the build;
 # BENCH_ARGS
-# go to bench_row_norm.py; TESTS picks test files (default: all), TESTS_N
+# go to bench_row_norm.py, UNET_ARGS to bench_unet.py; TESTS picks test files (default: all), TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory); the step
 # "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
@@ -199,6 +199,7 @@ if step model; then
 fi
 if step unet; then
   echo "== convolutional models benchmark"
-  (cd benchmarks && python3 bench_unet.py --out "$OUT") 2>&1 | tee "$OUT/bench_unet.log" | tail -8
+  (cd benchmarks && python3 bench_unet.py --out "$OUT" ${UNET_ARGS:-}) 2>&1 \
+    | tee "$OUT/bench_unet.log" | tail -8
 fi
 exit "$tests_rc"

@@ -139,11 +139,15 @@ class ResNet(nn.Module):
                 return norm(name=name, activation="relu")(h)
             return nn.relu(norm(name=name)(h))
 
-        c = self.cfg.channels
-        h = norm_relu("bn_in", nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(x))
+        # No conv bias: the BatchNorm after each conv subtracts any per-channel
+        # constant, so a bias there would be a parameter without effect (as in
+        # Flax's and torchvision's ResNets).
+        conv = functools.partial(nn.Conv, self.cfg.channels, (3, 3), use_bias=False,
+                                 dtype=self.cfg.dtype)
+        h = norm_relu("bn_in", conv()(x))
         for i in range(2):
-            r = norm_relu(f"bn{i}a", nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(h))
-            r = norm(name=f"bn{i}b")(nn.Conv(c, (3, 3), dtype=self.cfg.dtype)(r))
+            r = norm_relu(f"bn{i}a", conv()(h))
+            r = norm(name=f"bn{i}b")(conv()(r))
             h = nn.relu(h + r)
         return nn.Dense(self.classes, dtype=jnp.float32)(jnp.mean(h, axis=(1, 2)))
 

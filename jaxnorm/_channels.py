@@ -84,8 +84,10 @@ def cuda_line_fits(x, *, min_vec: int = 1, min_bytes: int = 1) -> bool:
 def cuda_positions_fit(x) -> bool:
     """Whether the CUDA kernels that walk each position's channels take x
     viewed as (M, C, B): channels not last (B > 1) and a 16- or 32-bit float
-    dtype (local response normalization's lrn_positions)."""
-    return x.shape[2] > 1 and np.dtype(x.dtype) in _LINE_DTYPES
+    dtype (local response normalization's lrn_positions), and lines of
+    fewer than 2^31 elements (C * B: its offsets within a line are 32-bit)."""
+    return (x.shape[2] > 1 and np.dtype(x.dtype) in _LINE_DTYPES
+            and x.shape[1] * x.shape[2] < 2**31)
 
 
 def define_along_channels(

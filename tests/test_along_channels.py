@@ -242,6 +242,9 @@ def test_cuda_positions_fit():
 
     assert fits(3025, jnp.bfloat16) and fits(2, jnp.float32) and fits(5, jnp.float16)
     assert not fits(1, jnp.bfloat16) and not fits(3025, jnp.float64)
+    # lines of 2^31 elements or more (C * B) exceed the kernel's 32-bit offsets
+    assert cuda_positions_fit(jax.ShapeDtypeStruct((1, 2, 2**30 - 1), jnp.bfloat16))
+    assert not cuda_positions_fit(jax.ShapeDtypeStruct((1, 2, 2**30), jnp.bfloat16))
 
 
 def test_softmax_of_minus_infinity_is_zero():

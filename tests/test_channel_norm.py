@@ -411,6 +411,10 @@ def test_batch_norm_gradients_float64(training, act):
     ("group", (2, 16, 16, 1280), 32),  # 40 channels a group, five slabs
     ("group", (1, 128, 128, 64), 32),  # one sample: its rows in many tiles
     ("batch", (32, 28, 28, 64), 64),   # 25088 rows of one statistic each channel
+    # rows that leave the last chunk of rows short, in more chunks than tiles
+    # and not a multiple of them: 1001 rows in chunks of 16; 1517 of 10
+    ("batch", (7, 13, 11, 64), 64),
+    ("group", (3, 37, 41, 96), 32),
 ], ids=str)
 def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
     """Shapes that the CUDA kernels split into many tiles and slabs, merged

@@ -96,6 +96,7 @@ int main() {
       {"r6-3", tile_stats<bf16, 8, 6, 3>}, {"r4-3", tile_stats<bf16, 8, 4, 3>},
       {"r8-3", tile_stats<bf16, 8, 8, 3>}, {"r8-2", tile_stats<bf16, 8, 8, 2>},
       {"r4-4", tile_stats<bf16, 8, 4, 4>}, {"r6-2", tile_stats<bf16, 8, 6, 2>},
+      {"r8-2up", tile_stats<bf16, 8, 8, 2, Sweep::kUp>},
   };
   int dev = 0;
   CHECK(cudaSetDevice(dev));
@@ -172,9 +173,10 @@ int main() {
       std::vector<float> hp(size_t(t.blocks() / t.slabs) * k.c * 3);
       CHECK(cudaMemcpy(hp.data(), partial, hp.size() * sizeof(float), cudaMemcpyDeviceToHost));
       const double err = check_stats(k, t, hp, ref);
-      std::printf("  stats %-6s %6.1f µs %5.0f GB/s  (%lld blocks, %lld rows a tile) err %.1e%s\n",
-                  f.name, us, bytes / us / 1e3, (long long)t.blocks(), (long long)t.tile_rows,
-                  err, err < 1e-4 ? "" : "  WRONG");
+      std::printf("  stats %-6s %6.1f µs %5.0f GB/s  (%lld blocks, %lld chunks a tile) err %.1e%s\n",
+                  f.name, us, bytes / us / 1e3, (long long)t.blocks(),
+                  (long long)((t.chunks() + t.tiles - 1) / t.tiles), err,
+                  err < 1e-4 ? "" : "  WRONG");
     }
     auto stats = tile_stats<bf16, 8>;
     const Tiles ts = plan_tiles(k.n, k.rows, k.c, 8, sizeof(bf16), 3 * sizeof(float), info, stats);
@@ -191,6 +193,33 @@ int main() {
       });
       std::printf("  apply %s alone %6.1f µs %5.0f GB/s; stats + apply %6.1f µs\n",
                   ef ? "ef" : "wb", alone, 2 * bytes / alone / 1e3, pair);
+    }
+    {
+      // After x itself is written, as by the op that produced it (a copy into
+      // x, its time subtracted): the statistics sweeping x down (the
+      // handlers') or up, alone and followed by an elementwise pass with
+      // plain loads and stores, as XLA's BatchNorm y.
+      bf16* x0;
+      CHECK(cudaMalloc(&x0, bytes));
+      CHECK(cudaMemcpy(x0, x, bytes, cudaMemcpyDeviceToDevice));
+      auto produce = [&] { CHECK(cudaMemcpyAsync(x, x0, bytes, cudaMemcpyDeviceToDevice, s)); };
+      const float made = time_us(s, produce, 5);
+      std::printf("  after x is written (%.1f µs, subtracted):", made);
+      auto wb = apply_affine<bf16, bf16, 8, false>;
+      for (const Form& f : {forms[3], forms.back()}) {
+        const float st = time_us(s, [&] {
+          produce();
+          f.kernel<<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
+        }, 5) - made;
+        const float pair = time_us(s, [&] {
+          produce();
+          f.kernel<<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
+          wb<<<ta.blocks(), kChannelThreads, 0, s>>>(x, coef, Activation::kNone, ta, y);
+        }, 5) - made;
+        std::printf(" %s stats %.1f, + apply wb %.1f µs;", f.name, st, pair);
+      }
+      std::printf("\n");
+      CHECK(cudaFree(x0));
     }
     {
       auto chunked = [&](int64_t per) {  // samples a chunk

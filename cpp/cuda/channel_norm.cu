@@ -156,10 +156,12 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out};
   const int64_t per = groups_per_block(s, dev);
+  const bool grads_here = params_out && s.n == 1;  // group_sums writes them
   group_sums<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
       partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
-      s.group_size, per, epsilon, gmode, sums_out, coef);
-  if (params_out && (dscale || dbias)) {
+      s.group_size, per, epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
+      grads_here ? dbias : nullptr);
+  if (params_out && !grads_here && (dscale || dbias)) {
     param_grads<X, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
                         stream>>>(chan, s.n, s.c, dscale, dbias);
   }

@@ -3,14 +3,22 @@
 // the last axis: NHWC, or any x whose channel axis is its last).
 //
 // Every pass over x gives a thread a vector of V channels (16 bytes where C
-// and the pointers allow, else one) of one tile of rows, and a set of rows of
-// that tile R apart; a block covers up to 32 vectors of a row (a slab) and
-// R = 256 / vectors rows at a time (`Tiles`, planned in channel_norm.cu). So
-// loads and stores are whole 16-byte vectors, consecutive threads touch
-// consecutive bytes of a row, and a thread's channels, hence its per-channel
-// terms, stay the same. The passes over x launch one wave: as many tiles as
-// blocks fit on the GPU at once (a second, partial wave ran the first build's
-// elementwise pass at 2.5 TB/s where XLA's ran at 3.3, notes v46).
+// and the pointers allow, else one); a block covers up to 32 vectors of a row
+// (a slab) and R = 256 / vectors rows at a time, a chunk (`Tiles`, planned in
+// channel_norm.cu). So loads and stores are whole 16-byte vectors,
+// consecutive threads touch consecutive bytes of a row, and a thread's
+// channels, hence its per-channel terms, stay the same. The passes over x
+// launch one wave: as many blocks (tiles) as fit on the GPU at once (a
+// second, partial wave ran the first build's elementwise pass at 2.5 TB/s
+// where XLA's ran at 3.3, notes v46).
+//
+// A tile is every T-th chunk of rows (T tiles), so that at any moment the
+// blocks read neighbouring chunks: the wave sweeps x as one front. The
+// reducing passes sweep down from x's last rows, the elementwise passes up
+// from its first (`Sweep`): the op that wrote x (XLA's, or ours) wrote its
+// last rows last, which L2 may still hold, and a reducing pass that ends on
+// x's first rows leaves those in L2 for the elementwise pass that follows
+// it (ours or, for BatchNorm, XLA's) to start on.
 //
 // Each direction is a pass that reduces per (n, tile, channel) into scratch,
 // a small pass that merges those per (n, group) (in a fixed order, so the
@@ -38,11 +46,11 @@ struct Tiles {
   int vec = 1;                     // channels a thread (V)
   int64_t lanes = 0;               // vectors a row, C / V
   int lanes_per_block = 1;         // vectors a block covers
-  int row_sets = 1;                // R: rows a block takes at a time
+  int row_sets = 1;                // R: rows a block takes at a time, a chunk
   int64_t slabs = 1;               // blocks across a row
-  int64_t tiles = 1;               // tiles of rows for each n
-  int64_t tile_rows = 0;           // rows a tile
+  int64_t tiles = 1;               // T: blocks for each (n, slab)
   int64_t blocks() const { return n * slabs * tiles; }
+  __host__ __device__ int64_t chunks() const { return (rows + row_sets - 1) / row_sets; }
 };
 
 // The tiling of x (N, A, C) = (n, rows, c) with V channels a thread for a
@@ -69,26 +77,28 @@ Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
   });
   const int64_t wave = int64_t(per_sm) * dev.sms;
   int64_t tiles = wave / (t.n * t.slabs);
-  const int64_t most = (t.rows + t.row_sets - 1) / t.row_sets;  // tiles of a block's rows
-  tiles = tiles > most ? most : tiles;
+  tiles = tiles > t.chunks() ? t.chunks() : tiles;
   if (result_bytes > 0) {
     const int64_t by_bytes = int64_t(t.rows * x_bytes / (16 * result_bytes));
     tiles = tiles > by_bytes ? by_bytes : tiles;
   }
-  tiles = tiles < 1 ? 1 : tiles;
-  t.tile_rows = (t.rows + tiles - 1) / tiles;
-  t.tiles = (t.rows + t.tile_rows - 1) / t.tile_rows;
+  t.tiles = tiles < 1 ? 1 : tiles;
   return t;
 }
 
-// What one thread of a Tiles launch works on.
+// Which way a pass's blocks walk x's rows (the top of the file).
+enum class Sweep { kUp, kDown };
+
+// What one thread of a Tiles launch works on: `count` rows, the first
+// `first`, then `stride` rows apart (negative sweeping down), in the chunks
+// of its tile, all but perhaps the last chunk full.
 struct TileThread {
   int64_t n, tile, lane;  // lane: the thread's channel vector
-  int set;                // its rows: row_begin + set, + R, ...
-  int64_t row_begin, row_end;
+  int set;                // its row of each chunk
+  int64_t first, stride, count;
   bool active;
 
-  __device__ explicit TileThread(const Tiles& t) {
+  __device__ TileThread(const Tiles& t, Sweep sweep) {
     const int64_t b = blockIdx.x;
     tile = b % t.tiles;
     const int64_t rest = b / t.tiles;
@@ -96,48 +106,58 @@ struct TileThread {
     const int local = int(threadIdx.x) % t.lanes_per_block;
     set = int(threadIdx.x) / t.lanes_per_block;
     lane = (rest % t.slabs) * t.lanes_per_block + local;
-    row_begin = tile * t.tile_rows;
-    row_end = min(t.rows, row_begin + t.tile_rows);
     active = set < t.row_sets && lane < t.lanes;
+    // Its chunks: tile, tile + T, ... up, or counted from the last chunk
+    // down; the same number either way.
+    const int64_t chunks = t.chunks(), top = chunks - 1 - tile;
+    count = active && top >= 0 ? top / t.tiles + 1 : 0;
+    const int64_t low = sweep == Sweep::kUp ? tile : top % t.tiles;  // its lowest chunk
+    stride = (sweep == Sweep::kUp ? 1 : -1) * t.tiles * t.row_sets;
+    first = (sweep == Sweep::kUp ? low : low + (count - 1) * t.tiles) * t.row_sets + set;
+    // The last chunk may be short of rows: its missing row is this thread's
+    // last row sweeping up, its first sweeping down.
+    const bool has_top = count > 0 && low + (count - 1) * t.tiles == chunks - 1;
+    if (has_top && (chunks - 1) * t.row_sets + set >= t.rows) {
+      --count;
+      if (sweep == Sweep::kDown) first += stride;
+    }
   }
+  __device__ int64_t row(int64_t k) const { return first + k * stride; }
   // Offset of row r's first channel of this thread's vector, in elements.
   __device__ int64_t at(const Tiles& t, int64_t r) const {
     return (n * t.rows + r) * t.c + lane * t.vec;
   }
-  // f(r, got, a, b) for each batch of the thread's rows r, r + R, ...: got
-  // (1 to kR) rows of the arrays p (one or two, each of x's shape) loaded as
-  // packed words into a[u] and b[u] before any is used. Packed, a 16-bit row
-  // costs 4 registers where converted it cost 8: the first build held its
-  // loads converted and ran its backward passes at one block an SM (157
-  // registers).
+  // f(k, got, a, b) for each batch of the thread's rows row(k), ...,
+  // row(k + got - 1): got (1 to kR) rows of the arrays p (one or two, each of
+  // x's shape) loaded as packed words into a[u] and b[u] before any is used.
+  // Packed, a 16-bit row costs 4 registers where converted it cost 8: the
+  // first build held its loads converted and ran its backward passes at one
+  // block an SM (157 registers).
   template <int V, int kR = kRowsInFlight, bool kLastUse = false, typename F, typename... T>
   __device__ void for_batches(const Tiles& t, F&& f, const T*... p) const {
     constexpr int K = sizeof...(T);
     static_assert(K == 1 || K == 2);
     using V0 = RegVec<std::tuple_element_t<0, std::tuple<T...>>, V>;
     using V1 = RegVec<std::tuple_element_t<K - 1, std::tuple<T...>>, V>;
-    const int64_t step = int64_t(kR) * t.row_sets;
-    for (int64_t r = row_begin + set; r < row_end; r += step) {
+    for (int64_t k = 0; k < count; k += kR) {
       V0 a[kR];
       V1 b[kR];
 #pragma unroll
       for (int u = 0; u < kR; ++u) {
-        const int64_t row = r + u * t.row_sets;
-        if (row < row_end) load_rows<kLastUse>(t, row, a[u], b[u], p...);
+        if (k + u < count) load_rows<kLastUse>(t, row(k + u), a[u], b[u], p...);
       }
-      const int64_t left = (row_end - r + t.row_sets - 1) / t.row_sets;
-      f(r, left < kR ? int(left) : kR, a, b);
+      f(k, count - k < kR ? int(count - k) : kR, a, b);
     }
   }
   // f(row, a, b) for each of the thread's rows, kRowsInFlight loaded at a
   // time (for_batches).
   template <int V, bool kLastUse = false, typename F, typename... T>
   __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
-    for_batches<V, kRowsInFlight, kLastUse>(t, [&](int64_t r, int got, const auto& a,
+    for_batches<V, kRowsInFlight, kLastUse>(t, [&](int64_t k, int got, const auto& a,
                                                    const auto& b) {
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
-        if (u < got) f(r + u * t.row_sets, a[u], b[u]);
+        if (u < got) f(row(k + u), a[u], b[u]);
       }
     }, p...);
   }
@@ -266,22 +286,21 @@ __device__ __forceinline__ void add_batch(A (&m)[V][2], A count, const Vec (&v)[
 // gained nothing more. After other kernels' writes the pass runs at the
 // copy rate, reading x while L2 writes theirs back (notes v48).
 template <typename X, int V, int kR = (sizeof(X) == 2 ? 8 : 4),
-          int kMinBlocks = (sizeof(X) == 2 ? 2 : 3)>
+          int kMinBlocks = (sizeof(X) == 2 ? 2 : 3), Sweep kSweep = Sweep::kDown>
 __global__ void __launch_bounds__(kChannelThreads, kMinBlocks) tile_stats(const X* x, Tiles t,
                                                                           acc_t<X>* partial) {
   using A = acc_t<X>;
   using Vec = RegVec<X, V>;
   __shared__ A shared[kChannelThreads * V * 3];
-  const TileThread me(t);
+  const TileThread me(t, kSweep);
   A m[V][2];  // mean, M2 of each channel
 #pragma unroll
   for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = A(0);
   A count = 0;
-  if (me.active) {
-    const int64_t step = int64_t(t.row_sets) * t.c;  // elements between a thread's rows
-    const int64_t first = me.row_begin + me.set;
-    int64_t left = first < me.row_end ? (me.row_end - first + t.row_sets - 1) / t.row_sets : 0;
-    const X* p = x + me.at(t, first);
+  if (me.count > 0) {
+    const int64_t step = me.stride * t.c;  // elements between a thread's rows
+    int64_t left = me.count;
+    const X* p = x + me.at(t, me.first);
     auto load = [&](Vec(&v)[kR], const X* q, int got) {
 #pragma unroll
       for (int u = 0; u < kR; ++u) {
@@ -321,7 +340,7 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
     acc_t<X>* partial) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * V * 2];
-  const TileThread me(t);
+  const TileThread me(t, Sweep::kDown);
   A sums[V][2];  // dy', dy' xhat
 #pragma unroll
   for (int e = 0; e < V; ++e) sums[e][0] = sums[e][1] = A(0);
@@ -479,7 +498,7 @@ template <typename X, typename Y, int V, bool kEvictFirst = true>
 __global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, const acc_t<X>* coef,
                                                                 Activation act, Tiles t, Y* y) {
   using A = acc_t<X>;
-  const TileThread me(t);
+  const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
   A a[V], b[V];
 #pragma unroll
@@ -510,13 +529,15 @@ struct GroupSumsMode {
 // 2 a channel: sum dy', sum dy' xhat); the group's means of g = dy' scale
 // and g xhat (or, given, `means`); and dx's per-channel terms
 // coef[(n * C + c) * 5 + k] = (a, b, k_d, k_x, k_0): the activation's input
-// is x a + b, dx = k_d dy' + k_x x + k_0.
+// is x a + b, dx = k_d dy' + k_x x + k_0. Where N is 1 (BatchNorm) the
+// channels' sums are dscale and dbias, written here when asked for (not
+// null) instead of by a launch of param_grads.
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, const acc_t<X>* mean,
     const acc_t<X>* var, const acc_t<X>* means, Tiles t, int64_t group_size,
     int64_t groups_per_block, double epsilon, GroupSumsMode mode, acc_t<X>* sums_out,
-    acc_t<X>* coef) {
+    acc_t<X>* coef, W* dscale, W* dbias) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * 2];
   __shared__ A group_means[kGroupsPerBlock][2];
@@ -526,6 +547,11 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
   if (mode.from_tiles) {
     merge_channel_tiles<2>(partial, chunk.n, first_c, channels, t, chan, shared);
     __syncthreads();  // chan, written by the block's threads above
+    for (int64_t k = threadIdx.x; k < channels && (dscale || dbias); k += kChannelThreads) {
+      const int64_t c = first_c + k;
+      if (dscale) dscale[c] = from_acc<W>(chan[c * 2 + 1]);
+      if (dbias) dbias[c] = from_acc<W>(chan[c * 2]);
+    }
   }
   const A count = A(t.rows * group_size);
   for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
@@ -583,7 +609,7 @@ __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G*
                                                             const acc_t<X>* coef,
                                                             Activation act, Tiles t, X* dx) {
   using A = acc_t<X>;
-  const TileThread me(t);
+  const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
   A k[V][5];
 #pragma unroll
