@@ -90,6 +90,18 @@ def cuda_positions_fit(x) -> bool:
             and x.shape[1] * x.shape[2] < 2**31)
 
 
+# Channels the CUDA softmax's tiles of positions hold in registers
+# (kTileChannels in cpp/cuda/channel_softmax.cu).
+_TILE_CHANNELS = 256
+
+
+def cuda_position_tiles_fit(x) -> bool:
+    """Whether the channel softmax's CUDA kernel for channels-first x takes x
+    viewed as (M, C, B): as cuda_positions_fit, and at most 256 channels (a
+    tile's threads hold a position's channels in registers)."""
+    return cuda_positions_fit(x) and x.shape[1] <= _TILE_CHANNELS
+
+
 def define_along_channels(
     name: str,
     *,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxnorm import _checks
 from jaxnorm._channels import channel_axis as _channel_axis
-from jaxnorm._channels import cuda_line_fits, define_along_channels
+from jaxnorm._channels import cuda_line_fits, cuda_position_tiles_fit, define_along_channels
 from jaxnorm._stats import stats_dtype
 
 
@@ -34,7 +34,8 @@ _softmax = define_along_channels(
     fwd_reference=_fwd_reference,
     bwd_reference=_bwd_reference,
     attributes=lambda: {},
-    supports=lambda platform, x: platform != "cuda" or cuda_line_fits(x, min_bytes=4),
+    supports=lambda platform, x: platform != "cuda" or cuda_line_fits(x, min_bytes=4)
+    or cuda_position_tiles_fit(x),
 )
 
 

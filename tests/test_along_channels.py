@@ -136,6 +136,14 @@ LINE_CASES = [  # shape, axis
     ((300, 150), -1),
     ((200, 98), -1),
     ((300, 75), -1),
+    # Channels first, the softmax's tiles of positions: an odd and an even
+    # position count (a 16-bit thread takes 2 positions where it is even), a
+    # last tile short of positions, 3 to 256 channels, and 257 (XLA's):
+    ((2, 150, 9, 7), 1),
+    ((2, 150, 8, 8), 1),
+    ((2, 256, 5, 8), 1),
+    ((4, 3, 100), 1),
+    ((3, 257, 6), 1),
 ]
 
 
@@ -180,6 +188,8 @@ FIT_CASES = [  # shape, axis, dtype
     ((50, 150), -1, jnp.float32),
     ((5, 12, 16), 1, jnp.bfloat16),
     ((2, 96, 27, 27), 1, jnp.bfloat16),
+    ((5, 256, 16), 1, jnp.bfloat16),
+    ((5, 257, 16), 1, jnp.bfloat16),
     ((50, 16), -1, jnp.float64),
 ]
 
@@ -190,7 +200,7 @@ def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
     """The compiled forward and backward call the platform's handlers where it
     takes the line (the CPU's every line; CUDA's, cuda_line_fits), the
     gradient alone runs no forward, and both are right either way."""
-    from jaxnorm._channels import cuda_line_fits, cuda_positions_fit
+    from jaxnorm._channels import cuda_line_fits, cuda_position_tiles_fit, cuda_positions_fit
 
     platform = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
     if platform not in jaxnorm.kernel_platforms():
@@ -205,8 +215,8 @@ def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
     view = jax.ShapeDtypeStruct((x.size // c // math.prod(shape[axis:][1:]), c,
                                  math.prod(shape[axis:][1:])), dtype)
     need = dict(min_vec=4) if name == "lrn" else dict(min_bytes=4)
-    expected = (platform == "cpu" or cuda_line_fits(view, **need)
-                or (name == "lrn" and cuda_positions_fit(view)))
+    positions_fit = cuda_positions_fit if name == "lrn" else cuda_position_tiles_fit
+    expected = platform == "cpu" or cuda_line_fits(view, **need) or positions_fit(view)
     for suffix in ("fwd", "bwd"):
         called = f'custom_call_target="jaxnorm_{target}_{suffix}"' in hlo[suffix]
         assert called == expected, suffix
@@ -245,6 +255,16 @@ def test_cuda_positions_fit():
     # lines of 2^31 elements or more (C * B) exceed the kernel's 32-bit offsets
     assert cuda_positions_fit(jax.ShapeDtypeStruct((1, 2, 2**30 - 1), jnp.bfloat16))
     assert not cuda_positions_fit(jax.ShapeDtypeStruct((1, 2, 2**30), jnp.bfloat16))
+
+
+def test_cuda_position_tiles_fit():
+    from jaxnorm._channels import cuda_position_tiles_fit
+
+    def fits(c, b, dtype=jnp.bfloat16):
+        return cuda_position_tiles_fit(jax.ShapeDtypeStruct((7, c, b), dtype))
+
+    assert fits(150, 4096) and fits(256, 3) and fits(3, 2, jnp.float32)
+    assert not fits(257, 4096) and not fits(150, 1) and not fits(150, 4096, jnp.float64)
 
 
 def test_softmax_of_minus_infinity_is_zero():

@@ -1,10 +1,11 @@
-// CUDA handlers for the softmax over the channels of channels-last x:
+// CUDA handlers for the softmax over the channels of x:
 // y = exp(x - max) / sum exp(x - max); dx = y * (dy - sum dy * y), y
-// recomputed from x. A line in registers (channel_lines.cuh), its max and sums
-// reduced by shuffles within its team: each pass reads x once. Lines that a
-// warp holds in vectors of 4-16 bytes, at most 3 a lane (768 bf16 channels,
-// 384 float32); others, other layouts and float64 lower to jax.numpy
-// (channel_softmax.py).
+// recomputed from x. Channels-last x: a line in registers (channel_lines.cuh),
+// its max and sums reduced by shuffles within its team: each pass reads x
+// once. Lines that a warp holds in vectors of 4-16 bytes, at most 3 a lane
+// (768 bf16 channels, 384 float32). Channels-first x: tiles of positions
+// (softmax_tiles), up to kTileChannels channels. Others and float64 lower to
+// jax.numpy (channel_softmax.py).
 #include "cuda/channel_lines.cuh"
 
 namespace jaxnorm::cuda {
@@ -96,6 +97,7 @@ struct SoftmaxLines {
 };
 
 struct SoftmaxFwdLine : SoftmaxLines {
+  static constexpr bool kBwd = false;
   template <typename X, int M, int V>
   __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X*, X* y,
                                         bool valid) const {
@@ -104,6 +106,7 @@ struct SoftmaxFwdLine : SoftmaxLines {
 };
 
 struct SoftmaxBwdLine : SoftmaxLines {
+  static constexpr bool kBwd = true;
   template <typename X, int M, int V>
   __device__ __forceinline__ void apply(const LineLane& t, const X* x, const X* dy, X* dx,
                                         bool valid) const {
@@ -111,9 +114,152 @@ struct SoftmaxBwdLine : SoftmaxLines {
   }
 };
 
+// Channels-first x (B > 1, NCHW) as (M, C, B): a block takes a tile of 32 P
+// consecutive positions of one of the M lines, warp w the channels w, w + 8,
+// ..., each lane P neighbouring positions of them, so that a warp's load is
+// 32 P consecutive elements (128 bytes at P = 2 for 16-bit x). A thread holds
+// its K channels (C <= 8 K) in registers; the max, the sum and the
+// backward's dot go over the warps through shared memory, in warp order.
+// One read of x (and dy) and one write. (A thread walking all of a
+// position's channels, 8 loads in flight, lost to XLA's fusion: notes v64.)
+constexpr int kTileWarps = kLineThreads / 32;
+constexpr int kTileChannels = 256;  // K = 32: jaxnorm/_channels.py's cuda_position_tiles_fit
+
+// v[e] for each of the thread's P positions, combined over the block's warps
+// by `op` (every thread of the block calls it).
+template <int P, typename Op>
+__device__ __forceinline__ void over_warps(float (&v)[P], float (*part)[32 * P], Op op) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int e = 0; e < P; ++e) part[warp][lane * P + e] = v[e];
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < P; ++e) {
+    v[e] = part[0][lane * P + e];
+#pragma unroll
+    for (int w = 1; w < kTileWarps; ++w) v[e] = op(v[e], part[w][lane * P + e]);
+  }
+  __syncthreads();  // before part's next use
+}
+
+template <typename X, int P, int K, bool kBwd>
+__global__ void __launch_bounds__(kLineThreads) softmax_tiles(ChannelShape s, const X* x,
+                                                              const X* dy, X* out) {
+  __shared__ float part[kTileWarps][32 * P];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = int(s.c), b = int(s.b);  // C * B < 2^31 (run_tiles)
+  const int64_t tiles = (s.b + 32 * P - 1) / (32 * P);
+  for (int64_t tile = blockIdx.x; tile < s.m * tiles; tile += gridDim.x) {
+    const int first = int(tile % tiles) * 32 * P + lane * P;  // P divides B
+    const bool valid = first < b;
+    const int64_t at = tile / tiles * s.c * s.b + first;
+    auto has = [&](int k) { return valid && warp + k * kTileWarps < c; };
+    auto offset = [&](int k) { return at + (warp + k * kTileWarps) * b; };
+    RegVec<X, P> xv[K], gv[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (has(k)) {
+        xv[k].load(x + offset(k));
+        if (kBwd) gv[k].load(dy + offset(k));
+      } else {
+        xv[k].zero(), gv[k].zero();
+      }
+    }
+    float top[P], total[P], inv[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) top[e] = -INFINITY, total[e] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int e = 0; e < P; ++e) top[e] = has(k) ? fmaxf(top[e], xv[k].get(e)) : top[e];
+    }
+    over_warps<P>(top, part, [](float a, float b) { return fmaxf(a, b); });
+    // exp(x - top) as exp2(x log2e - top log2e), as the line kernels.
+    float shift[P];
+#pragma unroll
+    for (int e = 0; e < P; ++e) shift[e] = top[e] * kLog2e;
+    auto y_of = [&](int k, int e) { return exp2f(fmaf(xv[k].get(e), kLog2e, -shift[e])); };
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int e = 0; e < P; ++e) total[e] += has(k) ? y_of(k, e) : 0.0f;
+    }
+    over_warps<P>(total, part, [](float a, float b) { return a + b; });
+#pragma unroll
+    for (int e = 0; e < P; ++e) inv[e] = 1.0f / total[e];
+    float dot[P] = {};
+    if constexpr (kBwd) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int e = 0; e < P; ++e) {
+          dot[e] = has(k) ? fmaf(gv[k].get(e), y_of(k, e) * inv[e], dot[e]) : dot[e];
+        }
+      }
+      over_warps<P>(dot, part, [](float a, float b) { return a + b; });
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      if (!has(k)) continue;
+      float o[P];
+#pragma unroll
+      for (int e = 0; e < P; ++e) {
+        const float y = y_of(k, e) * inv[e];
+        o[e] = kBwd ? y * (gv[k].get(e) - dot[e]) : y;
+      }
+      store_vec<P>(out + offset(k), o);
+    }
+  }
+}
+
+// Calls f(integral_constant<P>) with 2 positions a thread for 16-bit x where B
+// and the buffers allow 4-byte accesses, else 1.
+template <typename X, typename F>
+ffi::Error with_tile_positions(int64_t b, std::initializer_list<const void*> ptrs, F&& f) {
+  bool pairs = sizeof(X) == 2 && b % 2 == 0;
+  for (const void* q : ptrs) pairs = pairs && (q == nullptr || uintptr_t(q) % 4 == 0);
+  if constexpr (sizeof(X) == 2) {
+    if (pairs) return f(std::integral_constant<int, 2>{});
+  }
+  return f(std::integral_constant<int, 1>{});
+}
+
+template <bool kBwd>
+ffi::Error run_tiles(cudaStream_t stream, int32_t device, const AnyBuffer& x,
+                     const AnyBuffer* dy, AnyBuffer& out, const char* what) {
+  ChannelShape s;
+  return with_line_operands(x, dy, out, &s, [&](auto in0, auto in1, auto o) -> ffi::Error {
+    using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
+    if (s.c > kTileChannels || s.c * s.b >= (int64_t(1) << 31)) {
+      return ffi::Error::InvalidArgument(
+          std::string("jaxnorm: ") + what + " on CUDA takes channels-first x of at most " +
+          std::to_string(kTileChannels) + " channels and lines (C * B) under 2^31 elements, got " +
+          std::to_string(s.c) + " channels, lines of " + std::to_string(s.c * s.b));
+    }
+    return with_tile_positions<X>(s.b, {in0, in1, o}, [&](auto pt) {
+      constexpr int P = decltype(pt)::value;
+      const int grid = line_grid(s.m * ((s.b + 32 * P - 1) / (32 * P)), device);
+      auto go = [&](auto kt) {
+        softmax_tiles<X, P, decltype(kt)::value, kBwd>
+            <<<grid, kLineThreads, 0, stream>>>(s, in0, in1, o);
+      };
+      const int64_t k = (s.c + kTileWarps - 1) / kTileWarps;
+      if (k <= 4) go(std::integral_constant<int, 4>{});
+      else if (k <= 8) go(std::integral_constant<int, 8>{});
+      else if (k <= 16) go(std::integral_constant<int, 16>{});
+      else if (k <= 24) go(std::integral_constant<int, 24>{});
+      else go(std::integral_constant<int, 32>{});
+      return last_launch_error(what);
+    });
+  });
+}
+
 template <typename Op>
 ffi::Error run(cudaStream_t stream, int32_t device, const AnyBuffer& x, const AnyBuffer* dy,
                AnyBuffer& out, const char* what) {
+  if (x.dimensions().size() == 3 && x.dimensions()[2] > 1) {
+    return run_tiles<Op::kBwd>(stream, device, x, dy, out, what);
+  }
   ChannelShape s;
   // Vectors of 2-byte channels lost to XLA's fusion (notes v61).
   return with_line_buffers<1, 4>(x, dy, out, &s, [&](auto vt, auto in0, auto in1, auto o) {
