@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kLineThreads) lrn_positions(ChannelShape s, co
                                                               const X* dy, X* out, LrnConsts p) {
   constexpr int kLo = kSize / 2, kHi = (kSize - 1) / 2;
   const float coef = 2.0f * p.alpha_over_size * p.beta;
-  // Within a line, 32-bit offsets (C * B < 2^31: cuda_positions_fit): with
+  // Within a line, 32-bit offsets (C * B < 2^31: run_positions): with
   // 64-bit ones the forward spent ~70 instructions an element, 28 of them
   // integer (SASS), against ~15 of arithmetic.
   const int c = int(s.c), stride = int(s.b);
