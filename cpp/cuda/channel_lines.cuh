@@ -162,11 +162,7 @@ __global__ void __launch_bounds__(kLineThreads, Op::kMinBlocks)
 // XLA's buffers are aligned to at least 16 bytes, so C decides.
 template <typename X, int kMinVec, typename F>
 ffi::Error with_line_vec(int64_t c, std::initializer_list<const void*> ptrs, F&& f) {
-  auto fits = [&](int v) {
-    bool ok = c % v == 0;
-    for (const void* q : ptrs) ok = ok && reinterpret_cast<uintptr_t>(q) % (v * sizeof(X)) == 0;
-    return ok;
-  };
+  auto fits = [&](int v) { return vec_fits<X>(c, v, ptrs); };
   constexpr int kWide = int(16 / sizeof(X));
   if (fits(kWide)) return f(std::integral_constant<int, kWide>{});
   if constexpr (kWide / 2 >= kMinVec) {
@@ -258,6 +254,25 @@ ffi::Error with_line_operands(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer
     return f(static_cast<const X*>(x.untyped_data()),
              dy ? static_cast<const X*>(dy->untyped_data()) : nullptr,
              static_cast<X*>(out.untyped_data()));
+  });
+}
+
+// with_line_operands for channels-first x (B > 1), whose kernels walk a line
+// in 32-bit offsets: lines (C * B) of fewer than 2^31 elements and at most
+// `max_channels` channels, else an error.
+template <typename F>
+ffi::Error with_position_operands(const AnyBuffer& x, const AnyBuffer* dy, AnyBuffer& out,
+                                  ChannelShape* s, const char* what, int64_t max_channels,
+                                  F&& f) {
+  return with_line_operands(x, dy, out, s, [&](auto in0, auto in1, auto o) -> ffi::Error {
+    if (s->c > max_channels || s->c * s->b >= (int64_t(1) << 31)) {
+      return ffi::Error::InvalidArgument(
+          std::string("jaxnorm: ") + what + " on CUDA takes channels-first x in lines (C * B) " +
+          "of fewer than 2^31 elements and of at most " + std::to_string(max_channels) +
+          " channels, got " + std::to_string(s->c) + " channels in lines of " +
+          std::to_string(s->c * s->b));
+    }
+    return f(in0, in1, o);
   });
 }
 

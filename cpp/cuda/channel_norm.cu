@@ -40,17 +40,6 @@ ffi::Error scratch_of(ffi::ScratchAllocator& scratch, int64_t count, A** out) {
   return ffi::Error::Success();
 }
 
-// Calls f(integral_constant<V>) with V channels a thread: a 16-byte vector
-// where C and every pointer allow it, else one.
-template <typename X, typename F>
-ffi::Error with_channel_vec(int64_t c, std::initializer_list<const void*> ptrs, F&& f) {
-  constexpr int kVec = 16 / sizeof(X);
-  bool ok = c % kVec == 0;
-  for (const void* q : ptrs) ok = ok && (q == nullptr || aligned16(q));
-  if (ok) return f(std::integral_constant<int, kVec>{});
-  return f(std::integral_constant<int, 1>{});
-}
-
 template <typename W>
 ChannelParams<W> params_of(const ChannelNormShape& s, const AnyBuffer& scale,
                            const AnyBuffer& bias) {
@@ -125,7 +114,7 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
     using A = acc_t<X>;
     const ChannelParams<W> p = params_of<W>(s, scale, bias);
     const void* y_p = write_y ? y->untyped_data() : nullptr;
-    return with_channel_vec<X>(s.c, {x.untyped_data(), y_p}, [&](auto v) {
+    return with_vec_or_one<X, 16 / sizeof(X)>(s.c, {x.untyped_data(), y_p}, [&](auto v) {
       return launch_fwd<X, Y, W, decltype(v)::value>(
           stream, dev, scratch, s, epsilon, Activation(activation), given, write_y,
           static_cast<const X*>(x.untyped_data()), p, static_cast<A*>(mean_p),
@@ -201,7 +190,8 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
     W* ds = params_out && s.has_scale ? static_cast<W*>(dscale->untyped_data()) : nullptr;
     W* db = params_out && s.has_bias ? static_cast<W*>(dbias->untyped_data()) : nullptr;
     const void* dx_p = mode == ChannelBwdMode::kSums ? nullptr : dx->untyped_data();
-    return with_channel_vec<X>(s.c, {x.untyped_data(), dy.untyped_data(), dx_p}, [&](auto v) {
+    const std::initializer_list<const void*> ptrs{x.untyped_data(), dy.untyped_data(), dx_p};
+    return with_vec_or_one<X, 16 / sizeof(X)>(s.c, ptrs, [&](auto v) {
       return launch_bwd<X, G, W, decltype(v)::value>(
           stream, dev, scratch, s, epsilon, Activation(activation), mode, params_out,
           static_cast<const X*>(x.untyped_data()), static_cast<const G*>(dy.untyped_data()), p,

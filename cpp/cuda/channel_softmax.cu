@@ -212,31 +212,16 @@ __global__ void __launch_bounds__(kLineThreads) softmax_tiles(ChannelShape s, co
   }
 }
 
-// Calls f(integral_constant<P>) with 2 positions a thread for 16-bit x where B
-// and the buffers allow 4-byte accesses, else 1.
-template <typename X, typename F>
-ffi::Error with_tile_positions(int64_t b, std::initializer_list<const void*> ptrs, F&& f) {
-  bool pairs = sizeof(X) == 2 && b % 2 == 0;
-  for (const void* q : ptrs) pairs = pairs && (q == nullptr || uintptr_t(q) % 4 == 0);
-  if constexpr (sizeof(X) == 2) {
-    if (pairs) return f(std::integral_constant<int, 2>{});
-  }
-  return f(std::integral_constant<int, 1>{});
-}
-
 template <bool kBwd>
 ffi::Error run_tiles(cudaStream_t stream, int32_t device, const AnyBuffer& x,
                      const AnyBuffer* dy, AnyBuffer& out, const char* what) {
   ChannelShape s;
-  return with_line_operands(x, dy, out, &s, [&](auto in0, auto in1, auto o) -> ffi::Error {
+  return with_position_operands(x, dy, out, &s, what, kTileChannels, [&](auto in0, auto in1,
+                                                                         auto o) {
     using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
-    if (s.c > kTileChannels || s.c * s.b >= (int64_t(1) << 31)) {
-      return ffi::Error::InvalidArgument(
-          std::string("jaxnorm: ") + what + " on CUDA takes channels-first x of at most " +
-          std::to_string(kTileChannels) + " channels and lines (C * B) under 2^31 elements, got " +
-          std::to_string(s.c) + " channels, lines of " + std::to_string(s.c * s.b));
-    }
-    return with_tile_positions<X>(s.b, {in0, in1, o}, [&](auto pt) {
+    // 2 positions a thread for 16-bit x where B and the buffers allow 4-byte
+    // accesses, else 1.
+    return with_vec_or_one<X, sizeof(X) == 2 ? 2 : 1>(s.b, {in0, in1, o}, [&](auto pt) {
       constexpr int P = decltype(pt)::value;
       const int grid = line_grid(s.m * ((s.b + 32 * P - 1) / (32 * P)), device);
       auto go = [&](auto kt) {

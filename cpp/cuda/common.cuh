@@ -7,6 +7,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
+#include <limits>
+
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -753,6 +756,25 @@ inline ffi::Error last_launch_error(const char* what) {
 
 inline bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Whether `count` elements of X split into vectors of v and every pointer
+// (null ones aside: 0 is aligned) sits on such a vector.
+template <typename X>
+bool vec_fits(int64_t count, int v, std::initializer_list<const void*> ptrs) {
+  bool ok = count % v == 0;
+  for (const void* q : ptrs) ok = ok && reinterpret_cast<uintptr_t>(q) % (v * sizeof(X)) == 0;
+  return ok;
+}
+
+// Calls f(integral_constant<kWide>) where vectors of kWide elements fit
+// (vec_fits), else f(integral_constant<1>).
+template <typename X, int kWide, typename F>
+auto with_vec_or_one(int64_t count, std::initializer_list<const void*> ptrs, F&& f) {
+  if constexpr (kWide > 1) {
+    if (vec_fits<X>(count, kWide, ptrs)) return f(std::integral_constant<int, kWide>{});
+  }
+  return f(std::integral_constant<int, 1>{});
 }
 
 // What launch planning reads of a device, asked of the runtime once.

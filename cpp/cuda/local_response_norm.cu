@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kLineThreads) lrn_positions(ChannelShape s, co
                                                               const X* dy, X* out, LrnConsts p) {
   constexpr int kLo = kSize / 2, kHi = (kSize - 1) / 2;
   const float coef = 2.0f * p.alpha_over_size * p.beta;
-  // Within a line, 32-bit offsets (C * B < 2^31: run_positions): with
+  // Within a line, 32-bit offsets (C * B < 2^31: with_position_operands): with
   // 64-bit ones the forward spent ~70 instructions an element, 28 of them
   // integer (SASS), against ~15 of arithmetic.
   const int c = int(s.c), stride = int(s.b);
@@ -217,13 +217,9 @@ ffi::Error run_positions(cudaStream_t stream, int32_t device, const AnyBuffer& x
                          const AnyBuffer* dy, AnyBuffer& out, int64_t size, LrnConsts p,
                          const char* what) {
   ChannelShape s;
-  return with_line_operands(x, dy, out, &s, [&](auto in0, auto in1, auto o) -> ffi::Error {
+  const int64_t any = std::numeric_limits<int64_t>::max();  // channels
+  return with_position_operands(x, dy, out, &s, what, any, [&](auto in0, auto in1, auto o) {
     using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
-    if (s.c * s.b >= (int64_t(1) << 31)) {  // lrn_positions' 32-bit offsets
-      return ffi::Error::InvalidArgument(std::string("jaxnorm: ") + what +
-                                         " on CUDA takes lines (C * B) of fewer than 2^31 "
-                                         "elements, got " + std::to_string(s.c * s.b));
-    }
     const int grid = line_grid((s.m * s.b + kLineThreads - 1) / kLineThreads, device);
     return with_window(size, what, [&](auto w) {
       lrn_positions<X, decltype(w)::value, kBwd><<<grid, kLineThreads, 0, stream>>>(s, in0, in1,

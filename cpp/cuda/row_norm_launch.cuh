@@ -42,18 +42,6 @@ JAXNORM_ROW_NORM_EACH_X(JAXNORM_ROW_NORM_BWD_FOR, extern)
 
 namespace row_norm_detail {
 
-// Runs launch<VEC>() with 16-byte vectors when the row length and every
-// pointer allow them, else element by element.
-template <typename X, typename F>
-ffi::Error with_vec(int64_t hidden, std::initializer_list<const void*> ptrs,
-                    F&& launch) {
-  constexpr int kVec = 16 / sizeof(X);
-  bool ok = hidden % kVec == 0;
-  for (const void* q : ptrs) ok = ok && aligned16(q);
-  if (ok) return launch(std::integral_constant<int, kVec>{});
-  return launch(std::integral_constant<int, 1>{});
-}
-
 template <typename X, typename Y, typename W, int VEC>
 ffi::Error launch_fwd_vec(cudaStream_t stream, const DeviceInfo& dev, const FwdArgs& a) {
   if constexpr (VEC > 1) {
@@ -155,7 +143,7 @@ ffi::Error row_norm_fwd_for(cudaStream_t stream, const DeviceInfo& dev, DataType
   return dispatch_y_w_types<dtype_of<X>()>(y_type, w_type, [&](auto yt, auto wt) {
     using Y = native_t<decltype(yt)>;
     using W = native_t<decltype(wt)>;
-    return row_norm_detail::with_vec<X>(
+    return with_vec_or_one<X, 16 / sizeof(X)>(
         a.hidden, {a.x, a.y, a.scale, a.bias, a.residual, a.new_residual}, [&](auto v) {
           return row_norm_detail::launch_fwd_vec<X, Y, W, decltype(v)::value>(stream, dev, a);
         });
@@ -169,7 +157,7 @@ ffi::Error row_norm_bwd_for(cudaStream_t stream, const DeviceInfo& dev,
   return dispatch_y_w_types<dtype_of<X>()>(g_type, w_type, [&](auto gt, auto wt) {
     using G = native_t<decltype(gt)>;
     using W = native_t<decltype(wt)>;
-    return row_norm_detail::with_vec<X>(
+    return with_vec_or_one<X, 16 / sizeof(X)>(
         a.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres, a.residual},
         [&](auto v) {
           return row_norm_detail::launch_bwd_vec<X, G, W, decltype(v)::value>(stream, dev,
