@@ -136,11 +136,13 @@ LINE_CASES = [  # shape, axis
     ((300, 150), -1),
     ((200, 98), -1),
     ((300, 75), -1),
-    # Channels first, the softmax's tiles of positions: an odd and an even
-    # position count (a 16-bit thread takes 2 positions where it is even), a
-    # last tile short of positions, 3 to 256 channels, and 257 (XLA's):
+    # Channels first, the softmax's tiles of positions: position counts
+    # odd, even and a multiple of 4 (a thread takes 1, 2 or 4 positions as
+    # they allow), tiles short of positions (a last one, and one alone), 3
+    # to 256 channels, and 257 (XLA's):
     ((2, 150, 9, 7), 1),
     ((2, 150, 8, 8), 1),
+    ((2, 150, 20, 10), 1),
     ((2, 256, 5, 8), 1),
     ((4, 3, 100), 1),
     ((3, 257, 6), 1),

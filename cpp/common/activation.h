@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define JAXNORM_HOST_DEVICE __host__ __device__
@@ -21,6 +22,16 @@ inline bool valid_activation(int32_t a) { return a >= 0 && a <= int32_t(Activati
 
 template <typename A>
 JAXNORM_HOST_DEVICE inline A sigmoid(A z) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<A, float>) {
+    // The MUFU exp2 and reciprocal, within 2 ulp of float32. expf and an IEEE
+    // division took ~30 instructions an element, which made the elementwise
+    // passes with SiLU compute-bound (benchmarks/NOTES.md v48, v65). For
+    // z < -87, 1 + exp(-z) is past 2^126 and the quotient 0 (the true one is
+    // below 2^-125); exp(-z) = inf gives 0 too.
+    return __fdividef(1.0f, 1.0f + __expf(-z));
+  }
+#endif
   using std::exp;
   return A(1) / (A(1) + exp(-z));
 }

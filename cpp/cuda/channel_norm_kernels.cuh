@@ -69,13 +69,7 @@ Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
   t.slabs = (t.lanes + 31) / 32;
   t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
   t.row_sets = kChannelThreads / t.lanes_per_block;
-  const int per_sm = per_launch_shape(dev, kernel, kChannelThreads, 0, 1, [&] {
-    int blocks = 0;
-    cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kChannelThreads, 0);
-    cudaGetLastError();
-    return blocks > 0 ? blocks : 1;
-  });
-  const int64_t wave = int64_t(per_sm) * dev.sms;
+  const int64_t wave = int64_t(blocks_per_sm(kernel, kChannelThreads, 0, dev)) * dev.sms;
   int64_t tiles = wave / (t.n * t.slabs);
   tiles = tiles > t.chunks() ? t.chunks() : tiles;
   if (result_bytes > 0) {

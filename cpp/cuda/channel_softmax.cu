@@ -117,7 +117,7 @@ struct SoftmaxBwdLine : SoftmaxLines {
 // Channels-first x (B > 1, NCHW) as (M, C, B): a block takes a tile of 32 P
 // consecutive positions of one of the M lines, warp w the channels w, w + 8,
 // ..., each lane P neighbouring positions of them, so that a warp's load is
-// 32 P consecutive elements (128 bytes at P = 2 for 16-bit x). A thread holds
+// 32 P consecutive elements (256 bytes at P = 4 for 16-bit x). A thread holds
 // its K channels (C <= 8 K) in registers; the max, the sum and the
 // backward's dot go over the warps through shared memory, in warp order.
 // One read of x (and dy) and one write. (A thread walking all of a
@@ -212,6 +212,36 @@ __global__ void __launch_bounds__(kLineThreads) softmax_tiles(ChannelShape s, co
   }
 }
 
+// Positions a thread of softmax_tiles takes (P): the most of 4, 2 and 1
+// that B and the buffers allow (vec_fits) whose kernel, for this K, keeps two
+// blocks on an SM and has a tile for every SM; else the most that keep two
+// blocks; else the most that fit. ptxas gives the instantiations from 32 to
+// 255 registers, not in the order of their K P, and with one block an SM a
+// tile's barriers leave the SM without loads in flight. On an H100
+// (benchmarks/NOTES.md v65; µs forward / forward+backward, the pick marked *):
+// bf16 16x150x64x64 P4* 22.4 / 53.8, P2 27.7 / 40.6*; 4x256x64x64 P4 11.0 /
+// 17.5, P2 8.1* / 20.8, P1 19.9 / 17.1*; 8x128x32x32 (128 tiles at P2) P2 4.1 /
+// 5.9, P1 3.6* / 5.0*.
+template <typename X, int K, bool kBwd>
+int tile_positions(const ChannelShape& s, std::initializer_list<const void*> ptrs,
+                   const DeviceInfo& dev) {
+  int fits = 0, two_blocks = 0;
+  auto consider = [&](auto pt) {
+    constexpr int P = decltype(pt)::value;
+    if (!vec_fits<X>(s.b, P, ptrs)) return 0;
+    if (fits == 0) fits = P;
+    if (blocks_per_sm(softmax_tiles<X, P, K, kBwd>, kLineThreads, 0, dev) < 2) return 0;
+    if (two_blocks == 0) two_blocks = P;
+    return s.m * ((s.b + 32 * P - 1) / (32 * P)) >= dev.sms ? P : 0;
+  };
+  for (int p : {consider(std::integral_constant<int, 4>{}),
+                consider(std::integral_constant<int, 2>{}),
+                consider(std::integral_constant<int, 1>{})}) {
+    if (p > 0) return p;
+  }
+  return two_blocks > 0 ? two_blocks : fits;
+}
+
 template <bool kBwd>
 ffi::Error run_tiles(cudaStream_t stream, int32_t device, const AnyBuffer& x,
                      const AnyBuffer* dy, AnyBuffer& out, const char* what) {
@@ -219,23 +249,27 @@ ffi::Error run_tiles(cudaStream_t stream, int32_t device, const AnyBuffer& x,
   return with_position_operands(x, dy, out, &s, what, kTileChannels, [&](auto in0, auto in1,
                                                                          auto o) {
     using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
-    // 2 positions a thread for 16-bit x where B and the buffers allow 4-byte
-    // accesses, else 1.
-    return with_vec_or_one<X, sizeof(X) == 2 ? 2 : 1>(s.b, {in0, in1, o}, [&](auto pt) {
-      constexpr int P = decltype(pt)::value;
-      const int grid = line_grid(s.m * ((s.b + 32 * P - 1) / (32 * P)), device);
-      auto go = [&](auto kt) {
-        softmax_tiles<X, P, decltype(kt)::value, kBwd>
-            <<<grid, kLineThreads, 0, stream>>>(s, in0, in1, o);
+    const DeviceInfo& dev = device_info(device);
+    auto go = [&](auto kt) {
+      constexpr int K = decltype(kt)::value;
+      auto launch = [&](auto pt) {
+        constexpr int P = decltype(pt)::value;
+        const int grid = line_grid(s.m * ((s.b + 32 * P - 1) / (32 * P)), device);
+        softmax_tiles<X, P, K, kBwd><<<grid, kLineThreads, 0, stream>>>(s, in0, in1, o);
       };
-      const int64_t k = (s.c + kTileWarps - 1) / kTileWarps;
-      if (k <= 4) go(std::integral_constant<int, 4>{});
-      else if (k <= 8) go(std::integral_constant<int, 8>{});
-      else if (k <= 16) go(std::integral_constant<int, 16>{});
-      else if (k <= 24) go(std::integral_constant<int, 24>{});
-      else go(std::integral_constant<int, 32>{});
-      return last_launch_error(what);
-    });
+      switch (tile_positions<X, K, kBwd>(s, {in0, in1, o}, dev)) {
+        case 4: launch(std::integral_constant<int, 4>{}); break;
+        case 2: launch(std::integral_constant<int, 2>{}); break;
+        default: launch(std::integral_constant<int, 1>{}); break;
+      }
+    };
+    const int64_t k = (s.c + kTileWarps - 1) / kTileWarps;
+    if (k <= 4) go(std::integral_constant<int, 4>{});
+    else if (k <= 8) go(std::integral_constant<int, 8>{});
+    else if (k <= 16) go(std::integral_constant<int, 16>{});
+    else if (k <= 24) go(std::integral_constant<int, 24>{});
+    else go(std::integral_constant<int, 32>{});
+    return last_launch_error(what);
   });
 }
 

@@ -877,4 +877,22 @@ cudaError_t allow_dynamic_smem_once(K kernel, size_t bytes, const DeviceInfo& de
   }));
 }
 
+// Blocks of `kernel` that fit on one SM of `device` at once (at least 1), with
+// `smem` bytes of dynamic shared memory allowed. Asked of the runtime once per
+// kernel, device and shape of launch.
+template <typename K>
+int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
+  return per_launch_shape(dev, kernel, threads, smem, 1, [&] {
+    int n = 0;
+    if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
+            cudaSuccess ||
+        n < 1) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n;
+  });
+}
+
 }  // namespace jaxnorm::cuda

@@ -1247,24 +1247,6 @@ inline int grid_size(int64_t groups, int64_t cap) {
   return int(groups < cap ? groups : cap);
 }
 
-// Blocks of `kernel` that fit on one SM of `device` at once (at least 1), with
-// `smem` bytes of dynamic shared memory allowed. Asked of the runtime once per
-// kernel, device and shape of launch.
-template <typename K>
-int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
-  return per_launch_shape(dev, kernel, threads, smem, 1, [&] {
-    int n = 0;
-    if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) !=
-            cudaSuccess ||
-        n < 1) {
-      cudaGetLastError();
-      n = 1;
-    }
-    return n;
-  });
-}
-
 // Clusters of `parts` blocks of `kernel` that the GPU holds at once, which can
 // be fewer than blocks_per_sm * SMs / parts: a cluster's blocks must share a
 // GPC. A persistent grid of more clusters than that leaves the last ones to
