@@ -66,6 +66,15 @@ __device__ __forceinline__ float pow_neg(float den, float beta) {
   return exp2f(-beta * log2_den<X>(den));
 }
 
+// The backward's den^-beta and den^(-beta - 1), from one log2: a division of
+// the first by den took ~10 instructions an element (IEEE, without fast
+// math; benchmarks/NOTES.md v65).
+template <typename X>
+__device__ __forceinline__ void pow_neg_pair(float den, float beta, float& pw, float& pw1) {
+  const float lg = log2_den<X>(den);
+  pw = exp2f(-beta * lg), pw1 = exp2f((-beta - 1.0f) * lg);
+}
+
 struct LrnConsts {
   float alpha_over_size, beta, k;
 };
@@ -100,11 +109,9 @@ struct LrnLine {
       for (int e = 0; e < V; ++e) {
         const float den = p.k + p.alpha_over_size * w[j][e];
         if constexpr (kBwd) {
-          // den^-beta and den^(-beta - 1) from one log2: a division by den
-          // here took ~10 instructions an element (IEEE, without fast math).
-          const float lg = log2_den<X>(den);
-          s[j][e] = exp2f(-p.beta * lg);
-          w[j][e] = g[j][e] * v[j][e] * exp2f((-p.beta - 1.0f) * lg);
+          float pw1;
+          pow_neg_pair<X>(den, p.beta, s[j][e], pw1);
+          w[j][e] = g[j][e] * v[j][e] * pw1;
         } else {
           s[j][e] = pow_neg<X>(den, p.beta);
         }
@@ -185,9 +192,8 @@ __global__ void __launch_bounds__(kLineThreads) lrn_positions(ChannelShape s, co
         if constexpr (!kBwd) {
           if (here) ol[ch * stride] = from_acc<X>(xs[kLo] * pow_neg<X>(den, p.beta));
         } else {
-          // den^-beta and den^(-beta - 1) from one log2.
-          const float lg = log2_den<X>(den);
-          const float pw = exp2f(-p.beta * lg), pw1 = exp2f((-p.beta - 1.0f) * lg);
+          float pw, pw1;
+          pow_neg_pair<X>(den, p.beta, pw, pw1);
 #pragma unroll
           for (int d = 0; d + 1 < kSize; ++d) ts[d] = ts[d + 1];
 #pragma unroll
