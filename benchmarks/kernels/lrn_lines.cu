@@ -11,7 +11,9 @@
 // sampled lines. The handlers' kernels (cpp/cuda/channel_lines.cuh) took
 // this design and its team sizes from these timings (notes v61). The
 // handlers' kernel for channels-first x (lrn_positions) is timed on the same
-// bytes read as NCHW, at several chunks of channels in flight.
+// bytes read as NCHW, at several chunks of channels in flight, launch bounds
+// (blocks an SM) and grids (one wave of blocks, or a block for every 256
+// positions, the handler's since notes v65).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 benchmarks/kernels/lrn_lines.cu -o lrn_lines && ./lrn_lines
 #include <cmath>
@@ -236,9 +238,10 @@ void run_handler(cudaStream_t s, const LineCase& k, int sms, float copy, const b
 }
 
 // Channels-first x (NCHW, M = n, B = positions): the handlers' lrn_positions
-// at kChunk channels' loads in flight, checked against the same reference on
-// the lines gathered channels-last.
-template <int kChunk>
+// at kChunk channels' loads in flight and kMinFwd / kMinBwd blocks an SM in
+// its launch bound (0: ptxas's own registers), checked against the same
+// reference on the lines gathered channels-last.
+template <int kChunk, int kMinFwd = 0, int kMinBwd = 0, bool kWholeGrid = false>
 void run_positions(cudaStream_t s, const LineCase& k, int64_t positions, int sms, float copy,
                    const bf16* x, const bf16* dy, bf16* out, const std::vector<float>& hx,
                    const std::vector<float>& hdy) {
@@ -247,8 +250,9 @@ void run_positions(cudaStream_t s, const LineCase& k, int64_t positions, int sms
   const LrnConsts pc{p.alpha / 5, p.beta, p.k};
   const int64_t n = k.lines * k.c, m = k.lines / positions;
   const jaxnorm::ChannelShape shape{m, k.c, positions};
-  const int grid =
-      int(std::min<int64_t>((k.lines + kLineThreads - 1) / kLineThreads, int64_t(sms) * 8));
+  // kWholeGrid: a block for every 256 positions, no thread taking a second.
+  const int64_t blocks = (k.lines + kLineThreads - 1) / kLineThreads;
+  const int grid = int(kWholeGrid ? blocks : std::min<int64_t>(blocks, int64_t(sms) * 8));
   auto lines_of = [&](const std::vector<float>& v) {  // (m, c, b) -> (m, b, c)
     std::vector<float> t(n);
     for (int64_t i = 0; i < m; ++i) {
@@ -264,17 +268,19 @@ void run_positions(cudaStream_t s, const LineCase& k, int64_t positions, int sms
   for (bool bwd : {false, true}) {
     const float us = time_us(s, [&] {
       if (bwd) {
-        lrn_positions<bf16, 5, true, kChunk><<<grid, kLineThreads, 0, s>>>(shape, x, dy, out, pc);
+        lrn_positions<bf16, 5, true, kChunk, kMinBwd>
+            <<<grid, kLineThreads, 0, s>>>(shape, x, dy, out, pc);
       } else {
-        lrn_positions<bf16, 5, false, kChunk><<<grid, kLineThreads, 0, s>>>(shape, x, nullptr,
-                                                                           out, pc);
+        lrn_positions<bf16, 5, false, kChunk, kMinFwd>
+            <<<grid, kLineThreads, 0, s>>>(shape, x, nullptr, out, pc);
       }
     });
     CHECK(cudaGetLastError());
     const double err = check(lx, ldy, lines_of(to_host(out, n, true)), k.lines, k.c, 5, p, bwd);
     const double bytes = (bwd ? 3.0 : 2.0) * n * sizeof(bf16);
-    std::printf("lrn %-4s %-14s nchw chunk=%-2d %6.1f us %6.0f GB/s %4.0f%%  err %.1e\n",
-                bwd ? "bwd" : "fwd", k.name, kChunk, us, bytes / us / 1e3,
+    std::printf("lrn %-4s %-14s nchw chunk=%-2d min=%d %s %6.1f us %6.0f GB/s %4.0f%%  err %.1e\n",
+                bwd ? "bwd" : "fwd", k.name, kChunk, bwd ? kMinBwd : kMinFwd,
+                kWholeGrid ? "whole" : "wave ", us, bytes / us / 1e3,
                 100 * bytes / us / 1e3 / copy, err);
   }
 }
@@ -303,8 +309,10 @@ int main() {
     if (k.c == 96) {  // the same bytes as NCHW 128x96x55x55
       const LineCase nchw{k.lines, k.c, "128x96x55x55"};
       run_positions<8>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
-      run_positions<16>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
-      run_positions<24>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<8, 0, 0, true>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<8, 8, 6>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<8, 8, 6, true>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
+      run_positions<16, 6, 4>(s, nchw, 55 * 55, sms, d.copy, d.x, d.dy, d.out, d.hx, d.hdy);
     }
   }
   std::printf("%s\n", utc_date().c_str());

@@ -148,9 +148,11 @@ struct LrnLine {
 // are in flight together: on an H100 (kernels/lrn_lines.cu, notes v63) 8
 // channels ran bf16 128x96x55x55 in 85.1 µs forward and 204.0 backward, 16 in
 // 87.7 and 304.0, 24 in 95.1 and 295.5.
-template <typename X, int kSize, bool kBwd, int kChunk = 8>
-__global__ void __launch_bounds__(kLineThreads) lrn_positions(ChannelShape s, const X* x,
-                                                              const X* dy, X* out, LrnConsts p) {
+// kMinBlocks: the launch bound's blocks an SM (0: ptxas's own registers,
+// what the handlers take; kernels/lrn_lines.cu compares more, notes v65).
+template <typename X, int kSize, bool kBwd, int kChunk = 8, int kMinBlocks = 0>
+__global__ void __launch_bounds__(kLineThreads, kMinBlocks)
+    lrn_positions(ChannelShape s, const X* x, const X* dy, X* out, LrnConsts p) {
   constexpr int kLo = kSize / 2, kHi = (kSize - 1) / 2;
   const float coef = 2.0f * p.alpha_over_size * p.beta;
   // Within a line, 32-bit offsets (C * B < 2^31: with_position_operands): with
@@ -237,7 +239,11 @@ ffi::Error run_positions(cudaStream_t stream, int32_t device, const AnyBuffer& x
   const int64_t any = std::numeric_limits<int64_t>::max();  // channels
   return with_position_operands(x, dy, out, &s, what, any, [&](auto in0, auto in1, auto o) {
     using X = std::remove_const_t<std::remove_pointer_t<decltype(in0)>>;
-    const int grid = line_grid((s.m * s.b + kLineThreads - 1) / kLineThreads, device);
+    // A block for every kLineThreads positions, not one wave of blocks
+    // (line_grid) whose threads take a second position: 2.6% faster forward
+    // at 128x96x55x55 on an H100 (benchmarks/NOTES.md v65).
+    const int64_t blocks = (s.m * s.b + kLineThreads - 1) / kLineThreads;
+    const int grid = int(std::min<int64_t>(blocks, std::numeric_limits<int32_t>::max()));
     return with_window(size, what, [&](auto w) {
       lrn_positions<X, decltype(w)::value, kBwd><<<grid, kLineThreads, 0, stream>>>(s, in0, in1,
                                                                                   o, p);
