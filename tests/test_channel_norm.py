@@ -224,6 +224,37 @@ def test_group_norm_gradients_against_float64(dtype):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=rtol, atol=atol * scale_)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_silu_far_from_zero(dtype):
+    """SiLU (and its gradient) where exp(-z) under- and overflows float32:
+    z from about -300 to 300, so that the GPU's fast sigmoid (common/
+    activation.h) meets 1 + exp(-z) past 2^126 and exp(-z) = inf."""
+    shape, groups = (2, 9, 7, 8), 2
+    x = rand(61, shape, dtype)
+    scale = jnp.asarray(np.linspace(-120.0, 120.0, 8), jnp.float32)
+    bias = jnp.asarray(np.linspace(-60.0, 60.0, 8), jnp.float32)
+    dy = rand(62, shape, dtype)
+
+    def f(x, s, b):
+        return jaxnorm.group_norm(x, groups, s, b, activation="silu")
+
+    y, pullback = jax.vjp(jax.jit(f), x, scale, bias)
+    got = pullback(dy)
+    f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
+    want_y, want_pullback = jax.vjp(lambda *a: _gn_f64(*a, groups, -1, "silu"), *f64[:3])
+    want = want_pullback(f64[3])
+    z = np.asarray(_gn_f64(*f64[:3], groups, -1, None))
+    assert z.min() < -100 and z.max() > 100  # exp(-z) past float32's range both ways
+    assert np.isfinite(np.asarray(y, np.float64)).all()
+    assert_close(y, want_y, dtype, scale=float(jnp.max(jnp.abs(want_y))))
+    rtol, atol = TOLERANCE[np.dtype(dtype)]
+    for g, w in zip(got, want):
+        g = np.asarray(g, np.float64)
+        assert np.isfinite(g).all()
+        top = float(np.abs(np.asarray(w)).max())
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol * top)
+
+
 def test_gradients_of_a_float32_output_of_bf16_x():
     """The cotangent arrives in float32 (y's dtype), the gradient in bf16."""
     x = rand(53, (4, 6, 16), jnp.bfloat16)
