@@ -567,7 +567,8 @@ def group_norm(
       channel_axis: the axis of the channels (any but the batch axis 0).
       activation: None, ``"silu"`` to return ``silu(y)`` (as diffusion
         models apply right after) or ``"relu"`` for ``relu(y)``; fused, with
-        its gradient.
+        its gradient. The CUDA kernels take SiLU's sigmoid from the GPU's
+        fast exp2 and reciprocal, within 2 ulp of float32.
       dtype: output dtype (default: ``x.dtype``).
       axis_name: inside ``shard_map``, the mesh axis name (or tuple of names)
         over which the spatial dims are split: each group's statistics are
