@@ -446,6 +446,10 @@ def test_batch_norm_gradients_float64(training, act):
     # and not a multiple of them: 1001 rows in chunks of 16; 1517 of 10
     ("batch", (7, 13, 11, 64), 64),
     ("group", (3, 37, 41, 96), 32),
+    # one channel a group with several samples: the merges' per-channel path,
+    # the parameter gradients summed over the samples
+    ("instance", (4, 32, 32, 64), 64),
+    ("instance", (3, 37, 41, 96), 96),
 ], ids=str)
 def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
     """Shapes that the CUDA kernels split into many tiles and slabs, merged
@@ -457,6 +461,12 @@ def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
     if op == "group":
         def f(x, s, b):
             return jaxnorm.group_norm(x, groups, s, b)
+
+        def f64(x, s, b):
+            return _gn_f64(x, s, b, groups, -1, None)
+    elif op == "instance":
+        def f(x, s, b):
+            return jaxnorm.instance_norm(x, s, b)
 
         def f64(x, s, b):
             return _gn_f64(x, s, b, groups, -1, None)

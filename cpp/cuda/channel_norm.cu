@@ -77,7 +77,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
     tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
   }
-  JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &coef));
+  if (write_y) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &coef));
   const int64_t per = groups_per_block(s, dev);
   group_stats<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
       partial, chan, p, t, s.group_size, per, epsilon, given, mean, var, coef);

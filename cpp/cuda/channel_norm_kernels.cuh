@@ -169,13 +169,24 @@ struct TileThread {
   }
 };
 
+// b's share of the counts in a merge: float32 through the fast reciprocal
+// (2 ulp; counts are far below 2^126). An IEEE division's Newton steps were
+// the hottest arithmetic of the merge kernels' dependent chains (notes v51),
+// and of tile_stats' tree over its rows.
+__device__ __forceinline__ float share_of(float count_b, float total) {
+  return __fdividef(count_b, total);
+}
+__device__ __forceinline__ double share_of(double count_b, double total) {
+  return count_b / total;
+}
+
 // Chan's merge of (count, mean, M2) b into a.
 template <typename A>
 __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, A mean_b,
                                            A m2_b) {
   if (count_b == A(0)) return;
   const A total = count + count_b;
-  const A delta = mean_b - mean, w = count_b / total;
+  const A delta = mean_b - mean, w = share_of(count_b, total);
   mean += delta * w;
   m2 += m2_b + delta * delta * count * w;
   count = total;
@@ -383,13 +394,13 @@ struct GroupChunk {
 };
 
 // The tiles' K-value results of the chunk's `channels` channels from
-// `first_c` on, each merged over the tiles in a fixed order into
-// chan[(n * C + c) * K + k]. Threads take (channel, split): a split merges
-// the tiles split, split + splits, ... (four loads in flight), and a tree
-// merges the splits. Every thread of the block calls it.
-template <int K, typename A>
+// `first_c` on, each merged over the tiles in a fixed order and handed to
+// done(c, merged) by one thread. Threads take (channel, split): a split
+// merges the tiles split, split + splits, ... (four loads in flight), and a
+// tree merges the splits. Every thread of the block calls it.
+template <int K, typename A, typename F>
 __device__ void merge_channel_tiles(const A* partial, int64_t n, int64_t first_c,
-                                    int64_t channels, const Tiles& t, A* chan, A* shared) {
+                                    int64_t channels, const Tiles& t, A* shared, F&& done) {
   const int per = channels < kChannelThreads ? int(channels) : kChannelThreads;
   const int splits = kChannelThreads / per;
   const int cl = int(threadIdx.x) % per, split = int(threadIdx.x) / per;
@@ -415,11 +426,19 @@ __device__ void merge_channel_tiles(const A* partial, int64_t n, int64_t first_c
       }
     }
     if (splits > 1) tree_combine<1, K>(out, on ? split : -1, splits, per, shared);
-    if (on && split == 0 && c0 + cl < channels) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) chan[(n * t.c + c) * K + k] = out[0][k];
-    }
+    if (on && split == 0 && c0 + cl < channels) done(c, out[0]);
   }
+}
+
+// merge_channel_tiles into chan[(n * C + c) * K + k].
+template <int K, typename A>
+__device__ void merge_channel_tiles(const A* partial, int64_t n, int64_t first_c,
+                                    int64_t channels, const Tiles& t, A* chan, A* shared) {
+  merge_channel_tiles<K>(partial, n, first_c, channels, t, shared,
+                         [&](int64_t c, const A (&merged)[K]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) chan[(n * t.c + c) * K + k] = merged[k];
+  });
 }
 
 // Over a group's channels, warp by warp: lane l combines the channels l,
@@ -453,8 +472,12 @@ __device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
 
 // Forward, per (n, group): the tiles' statistics merged per channel (into
 // chan, K = 3 a channel), then each group's channels by a warp; writes
-// mean_out, var_out (none when `given`: then mean and var are read) and y's
-// per-channel terms coef[(n * C + c) * 2 + {0, 1}] = (a, b).
+// mean_out, var_out (none when `given`: then mean and var are read) and,
+// where coef is not null, y's per-channel terms
+// coef[(n * C + c) * 2 + {0, 1}] = (a, b). Groups of one channel (BatchNorm,
+// InstanceNorm) are done where their tiles' merge ends: no chan, no warps'
+// combine, two block barriers and two global round trips fewer in a kernel
+// that is a dependent chain (notes v51).
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_stats(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, Tiles t, int64_t group_size,
@@ -465,25 +488,43 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
+  auto write_coef = [&](int64_t c, A mu, A v) {
+    if (!coef) return;
+    const A a = rsqrt_acc(v + A(epsilon)) * p.template w<A>(c);
+    coef[(chunk.n * t.c + c) * 2] = a;
+    coef[(chunk.n * t.c + c) * 2 + 1] = p.template b<A>(c) - mu * a;
+  };
+  if (!given && group_size == 1) {
+    merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, shared,
+                           [&](int64_t c, const A (&m)[3]) {
+      const int64_t at = chunk.n * groups + c;
+      const A v = m[0] > A(0) ? m[2] / m[0] : A(0);
+      mean[at] = m[1], var[at] = v;
+      write_coef(c, m[1], v);
+    });
+    return;
+  }
   if (!given) {
     merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, chan, shared);
     __syncthreads();  // chan, written by the block's threads above
     for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
-      const int64_t at = chunk.n * groups + chunk.first + k;
-      const A* src = chan + (chunk.n * t.c + first_c + k * group_size) * 3;
+      const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
+      const A* src = chan + (chunk.n * t.c + c0) * 3;
       A m[3];
       warp_combine<3>(group_size, [&](int64_t c, A (&in)[3]) {
         in[0] = src[3 * c], in[1] = src[3 * c + 1], in[2] = src[3 * c + 2];
       }, m);
-      if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = m[0] > A(0) ? m[2] / m[0] : A(0);
+      // Every lane holds the group's statistics: the warp writes its
+      // channels' terms without a trip through mean and var.
+      const A v = m[0] > A(0) ? m[2] / m[0] : A(0);
+      if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = v;
+      for (int64_t c = threadIdx.x % 32; c < group_size; c += 32) write_coef(c0 + c, m[1], v);
     }
-    __syncthreads();  // mean, var
+    return;
   }
-  for (int64_t k = threadIdx.x; k < channels; k += kChannelThreads) {
+  for (int64_t k = threadIdx.x; k < channels && coef; k += kChannelThreads) {
     const int64_t c = first_c + k, at = chunk.n * groups + c / group_size;
-    const A a = rsqrt_acc(var[at] + A(epsilon)) * p.template w<A>(c);
-    coef[(chunk.n * t.c + c) * 2] = a;
-    coef[(chunk.n * t.c + c) * 2 + 1] = p.template b<A>(c) - mean[at] * a;
+    write_coef(c, mean[at], var[at]);
   }
 }
 
@@ -525,7 +566,8 @@ struct GroupSumsMode {
 // coef[(n * C + c) * 5 + k] = (a, b, k_d, k_x, k_0): the activation's input
 // is x a + b, dx = k_d dy' + k_x x + k_0. Where N is 1 (BatchNorm) the
 // channels' sums are dscale and dbias, written here when asked for (not
-// null) instead of by a launch of param_grads.
+// null) instead of by a launch of param_grads. Groups of one channel are
+// done where their tiles' merge ends, as in group_stats.
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, const acc_t<X>* mean,
@@ -534,20 +576,49 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     acc_t<X>* coef, W* dscale, W* dbias) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * 2];
-  __shared__ A group_means[kGroupsPerBlock][2];
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
+  const A count = A(t.rows * group_size);
+  // The group at's sums of g and g xhat, (sum dy', sum dy' xhat) scaled
+  // channel by channel: into sums_out, and as means into m.
+  auto finish_sums = [&](int64_t at, A (&m)[2]) {
+    if (mode.write_sums) sums_out[2 * at] = m[0], sums_out[2 * at + 1] = m[1];
+    m[0] /= count, m[1] /= count;
+  };
+  auto write_params = [&](int64_t c, const A* sums) {
+    if (dscale) dscale[c] = from_acc<W>(sums[1]);
+    if (dbias) dbias[c] = from_acc<W>(sums[0]);
+  };
+  auto write_dx_terms = [&](int64_t c, int64_t at, A mean_g, A mean_gx) {
+    const A mu = mean[at], rstd = rsqrt_acc(var[at] + A(epsilon));
+    // dx = rstd (w dy' - mean_g - xhat mean_gx), xhat = (x - mu) rstd
+    const A w = p.template w<A>(c), a = rstd * w;
+    A* dst = coef + (chunk.n * t.c + c) * 5;
+    dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
+    dst[2] = a, dst[3] = -rstd * rstd * mean_gx, dst[4] = rstd * (rstd * mean_gx * mu - mean_g);
+  };
+  if (mode.from_tiles && !means && group_size == 1) {
+    merge_channel_tiles<2>(partial, chunk.n, first_c, channels, t, shared,
+                           [&](int64_t c, const A (&sums)[2]) {
+      chan[(chunk.n * t.c + c) * 2] = sums[0], chan[(chunk.n * t.c + c) * 2 + 1] = sums[1];
+      write_params(c, sums);
+      const int64_t at = chunk.n * groups + c;
+      const A w = p.template w<A>(c);
+      A m[2] = {w * sums[0], w * sums[1]};
+      finish_sums(at, m);
+      if (mode.dx_terms) write_dx_terms(c, at, m[0], m[1]);
+    });
+    return;
+  }
   if (mode.from_tiles) {
     merge_channel_tiles<2>(partial, chunk.n, first_c, channels, t, chan, shared);
     __syncthreads();  // chan, written by the block's threads above
     for (int64_t k = threadIdx.x; k < channels && (dscale || dbias); k += kChannelThreads) {
       const int64_t c = first_c + k;
-      if (dscale) dscale[c] = from_acc<W>(chan[c * 2 + 1]);
-      if (dbias) dbias[c] = from_acc<W>(chan[c * 2]);
+      write_params(c, chan + c * 2);
     }
   }
-  const A count = A(t.rows * group_size);
   for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
     const int64_t at = chunk.n * groups + chunk.first + k;
     A m[2];
@@ -560,24 +631,17 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
         const A w = p.template w<A>(c0 + c);
         in[0] = w * src[2 * c], in[1] = w * src[2 * c + 1];
       }, m);
-      if (mode.write_sums && threadIdx.x % 32 == 0) {
-        sums_out[2 * at] = m[0], sums_out[2 * at + 1] = m[1];
+      if (threadIdx.x % 32 == 0) {
+        finish_sums(at, m);
+      } else {
+        m[0] /= count, m[1] /= count;
       }
-      m[0] /= count, m[1] /= count;
     }
-    if (threadIdx.x % 32 == 0) group_means[k][0] = m[0], group_means[k][1] = m[1];
-  }
-  if (!mode.dx_terms) return;
-  __syncthreads();  // group_means
-  for (int64_t k = threadIdx.x; k < channels; k += kChannelThreads) {
-    const int64_t c = first_c + k, gk = k / group_size, at = chunk.n * groups + chunk.first + gk;
-    const A mean_g = group_means[gk][0], mean_gx = group_means[gk][1];
-    const A mu = mean[at], rstd = rsqrt_acc(var[at] + A(epsilon));
-    // dx = rstd (w dy' - mean_g - xhat mean_gx), xhat = (x - mu) rstd
-    const A w = p.template w<A>(c), a = rstd * w;
-    A* dst = coef + (chunk.n * t.c + c) * 5;
-    dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
-    dst[2] = a, dst[3] = -rstd * rstd * mean_gx, dst[4] = rstd * (rstd * mean_gx * mu - mean_g);
+    // Every lane holds the group's means (warp_combine): the warp writes its
+    // channels' terms.
+    for (int64_t c = threadIdx.x % 32; c < group_size && mode.dx_terms; c += 32) {
+      write_dx_terms(first_c + k * group_size + c, at, m[0], m[1]);
+    }
   }
 }
 
