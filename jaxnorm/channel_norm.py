@@ -166,14 +166,17 @@ def _bwd_kernel_abstract(x, scale, bias, mean, var, dy, means, *, group_size, mo
                          param_grads, param_dtype, **_):
     del mean, var, dy, means
     n, _, c, _ = x.shape
-    dx = like(x, x.shape, x.dtype, (0, 1, 2, 3)) if mode != "sums" else aval_of(x, None, x.dtype)
+    dx = (aval_of(x, None, x.dtype) if mode in ("sums", "terms")
+          else like(x, x.shape, x.dtype, (0, 1, 2, 3)))
 
     def grad_of(p):
         return like(x, (c,), param_dtype, (2,)) if p.size and param_grads else aval_of(
             x, None, param_dtype)
 
-    sums = (like(x, (n, c // group_size, 2), stats_dtype(x.dtype), (0, 2, None))
-            if mode == "sums" else aval_of(x, None, stats_dtype(x.dtype)))
+    stats = stats_dtype(x.dtype)
+    sums = (like(x, (n, c // group_size, 2), stats, (0, 2, None)) if mode == "sums"
+            else like(x, (n, c, DX_TERMS), stats, (0, 2, None)) if mode == "terms"
+            else aval_of(x, None, stats))
     return dx, grad_of(scale), grad_of(bias), sums
 
 
@@ -190,7 +193,8 @@ def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, e
                           activation, mode, param_grads, param_dtype):
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) over each group,
     g = dy' * scale; mode "full" computes the means, "sums" returns their sums
-    (no dx), "dx" takes them."""
+    (no dx), "terms" dx's per-channel terms (no dx: _dx_terms), "dx" takes
+    the means."""
     n, a, c, b = x.shape
     xhat, d = _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, activation)
     g = d * scale.astype(d.dtype)[None, None, :, None] if scale.size else d
@@ -204,13 +208,43 @@ def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, e
     grads = (dscale.astype(param_dtype), dbias.astype(param_dtype))
     if mode == "sums":
         return (empty(x.dtype), *grads, sums)
-    if mode == "full":
+    if mode in ("full", "terms"):
         means = sums / (a * group_size * b)
     rstd = lax.rsqrt(var + jnp.asarray(epsilon, var.dtype))
+    if mode == "terms":
+        terms = _dx_terms(scale, rstd, means, group_size)
+        return (empty(x.dtype), *grads, terms)
     dx = _per_channel(rstd, group_size) * (
         g - _per_channel(means[..., 0], group_size) - xhat * _per_channel(means[..., 1],
                                                                           group_size))
     return (dx.astype(x.dtype), *grads, empty(sums.dtype))
+
+
+# dx's terms a channel, as the kernels' "terms" mode returns them (N, C,
+# DX_TERMS): a = rstd * scale, k_x, k_0, about the group's mean.
+DX_TERMS = 3
+
+
+def _dx_terms(scale, rstd, means, group_size):
+    """(N, C, DX_TERMS) with dx = a dy' + k_x (x - mean) + k_0, from
+    rstd (g - mean_g - xhat mean_gx), xhat = (x - mean) rstd; rstd (N, G),
+    means (N, G, 2)."""
+    r = jnp.repeat(rstd, group_size, axis=1)
+    mean_g, mean_gx = (jnp.repeat(means[..., k], group_size, axis=1) for k in (0, 1))
+    a = r * scale.astype(r.dtype)[None] if scale.size else r
+    return jnp.stack([a, -r * r * mean_gx, -r * mean_g], axis=-1)
+
+
+def _dx_from_terms(x4, bias, mean, dy4, terms, group_size, activation):
+    """dx of x4's shape (N, A, C, B), in the statistics dtype, from
+    _dx_terms' (N, C, DX_TERMS) and the (N, G) mean."""
+    a, k_x, k_0 = (terms[:, None, :, None, k] for k in range(DX_TERMS))
+    xc = x4.astype(terms.dtype) - _per_channel(mean, group_size)
+    d = dy4.astype(terms.dtype)
+    if activation:
+        z = xc * a + (bias.astype(a.dtype)[None, None, :, None] if bias.size else 0)
+        d = _activation_backward(d, z, activation)
+    return a * d + k_x * xc + k_0
 
 
 channel_norm_bwd_kernel_p = define_kernel_primitive(
@@ -306,6 +340,11 @@ def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, 
         dx, dscale, dbias, _ = run(zero, mode="dx", param_grads=True)
     elif not axes.hidden and not xla_elementwise:
         dx, dscale, dbias, _ = run(empty(stats), mode="full", param_grads=True)
+    elif not axes.hidden:
+        # dx's terms from the kernel: XLA's dx pass then needs no per-channel
+        # kernels of its own (an rsqrt, the means; notes v66).
+        _, dscale, dbias, terms = run(empty(stats), mode="terms", param_grads=True)
+        dx = _dx_from_terms(x4, bi, m2, dy4, terms, group_size, activation).astype(x.dtype)
     else:
         _, dscale, dbias, sums = run(empty(stats), mode="sums", param_grads=True)
         if param_axes and param_axes == axes.hidden:  # one all-reduce for all three

@@ -415,6 +415,27 @@ def _bn_f64(x, scale, bias, axis, act, stats=None):
     return jnp.moveaxis(_act_f64(y, act), -1, axis)
 
 
+@pytest.mark.parametrize("act", [None, "relu"])
+def test_batch_norm_gradients_large_mean_are_stable(act):
+    """float32 x near 1e3 with a spread near 1: dx is formed about the mean
+    (the kernels' dx terms), so it does not lose the digits x and the mean
+    share."""
+    x = rand(38, (64, 8, 8, 4), jnp.float32, offset=1e3)
+    scale, bias = params(39, 4, jnp.float32)
+    dy = rand(40, x.shape, jnp.float32)
+    rm, rv = jnp.zeros(4), jnp.ones(4)
+
+    def f(x, s, b):
+        return jaxnorm.batch_norm(x, s, b, rm, rv, training=True, activation=act)[0]
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
+    f64 = [jnp.asarray(np.asarray(a, np.float64)) for a in (x, scale, bias, dy)]
+    want = jax.vjp(lambda *a: _bn_f64(*a, -1, act), *f64[:3])[1](f64[3])
+    for g, w in zip(got, want):
+        top = float(np.abs(np.asarray(w)).max())
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * top)
+
+
 @pytest.mark.parametrize("act", [None, "silu", "relu"])
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_gradients_float64(training, act):
@@ -568,6 +589,7 @@ def _ffi(target, outs, *args, **attrs):
         ("bwd_dx", r"dx has shape \(2, 3, 8, 7\), expected \(2, 3, 8, 1\)"),
         ("bwd_modes", "channel_norm_bwd returns"),
         ("bwd_var", r"var has shape \(2, 3\), expected \(2, 4\)"),
+        ("bwd_terms", r"sums_out has shape \(2, 7, 3\), expected \(2, 8, 3\)"),
         ("activation", r"activation must be 0 \(none\), 1 \(SiLU\) or 2 \(ReLU\), got 3"),
         ("bwd_activation", "activation must be .* got -1"),
     ],
@@ -591,6 +613,7 @@ def test_channel_handlers_reject_inconsistent_buffers(case, match):
         "bwd_dx": dict(dx=sd((2, 3, 8, 7), f32)),
         "bwd_modes": dict(means=jnp.ones((2, 4, 2), f32), sums_out=sd((2, 4, 2), f32)),
         "bwd_var": dict(var=jnp.ones((2, 3), f32)),
+        "bwd_terms": dict(dx=sd((0,), f32), sums_out=sd((2, 7, 3), f32)),
         "activation": dict(activation=np.int32(3)),
         "bwd_activation": dict(activation=np.int32(-1)),
     }[case]
@@ -627,8 +650,8 @@ def test_reference_lowering_matches_the_kernels(activation):
     np.testing.assert_allclose(given[0][0], fwd[0][0], rtol=1e-12, atol=1e-12)
     bwd_impls = (cn.channel_norm_bwd_kernel_p.bind, cn._bwd_kernel_reference)
     means = jnp.full((2, 4, 2), 0.25, jnp.float64)
-    for mode, m, param_grads in (("full", e, True), ("sums", e, True), ("dx", means, False),
-                                 ("dx", means, True)):
+    for mode, m, param_grads in (("full", e, True), ("sums", e, True), ("terms", e, True),
+                                 ("dx", means, False), ("dx", means, True)):
         outs = [jax.jit(functools.partial(f, **common, mode=mode, param_grads=param_grads,
                                           param_dtype=jnp.float64))(
             x, scale, bias, mean, var, dy, m) for f in bwd_impls]

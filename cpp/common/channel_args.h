@@ -11,7 +11,7 @@
 //       -> y[N,A,C,B|0], mean_out[N,G|0], var_out[N,G|0]
 //   channel_norm_bwd(x, scale[C|0], bias[C|0], mean[N,G], var[N,G],
 //                    dy[N,A,C,B], means[N,G,2|0])
-//       -> dx[N,A,C,B|0], dscale[C|0], dbias[C|0], sums_out[N,G,2|0]
+//       -> dx[N,A,C,B|0], dscale[C|0], dbias[C|0], sums_out[N,G,2|N,C,3|0]
 //
 // The forward either computes the statistics (mean and biased variance,
 // written to mean_out and var_out; y [0] for the statistics alone) or, given
@@ -20,9 +20,12 @@
 // The backward's per-group terms are the means over the group of g and of
 // g * xhat, g = dy' * scale (dy' = dy through act's derivative). It computes
 // them and dx, dscale, dbias (means [0], sums_out [0]); or only their sums
-// (sums_out) and dscale, dbias, with dx [0]; or, given the means (summed
-// across devices; zero for statistics taken as constants), dx, with dscale
-// and dbias or neither, and sums_out [0].
+// (sums_out [N,G,2]) and dscale, dbias, with dx [0]; or dx's per-channel
+// terms about the mean (sums_out [N,C,3]: a = rstd * scale, k_x, k_0, with
+// act's input (x - mean) a + bias and dx = a dy' + k_x (x - mean) + k_0) and
+// dscale, dbias, with dx [0], for XLA to write dx; or, given the means
+// (summed across devices; zero for statistics taken as constants), dx, with
+// dscale and dbias or neither, and sums_out [0].
 //
 // Local response normalization and the channel softmax work along C at each
 // position of x viewed as (M, C, B):
@@ -127,7 +130,8 @@ inline ffi::Error check_channel_norm_fwd(const AnyBuffer& x, const AnyBuffer& sc
 }
 
 // The backward's mode: what it is given and what it returns.
-enum class ChannelBwdMode { kFull, kSums, kDx };
+enum class ChannelBwdMode { kFull, kSums, kTerms, kDx };
+constexpr int64_t kDxTerms = 3;  // dx's terms a channel (kTerms)
 
 inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& scale,
                                          const AnyBuffer& bias, const AnyBuffer& mean,
@@ -148,12 +152,18 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
   JAXNORM_RETURN_IF_ERROR(expect_dtype(var, "var", st));
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->n, s->a, s->c, s->b}));
   // dy: x's dtype, or float32 (the cotangent of a float32 y); the dispatch checks.
-  bool has_means = false, has_dx = false, has_sums = false, has_dscale = false,
-       has_dbias = false;
+  bool has_means = false, has_dx = false, has_sums = false, has_terms = false,
+       has_dscale = false, has_dbias = false;
   JAXNORM_RETURN_IF_ERROR(
       expect_optional_dims(means, "means", {s->n, s->groups, 2}, st, &has_means));
-  JAXNORM_RETURN_IF_ERROR(
-      expect_optional_dims(sums_out, "sums_out", {s->n, s->groups, 2}, st, &has_sums));
+  auto sums_dims = sums_out.dimensions();
+  if (sums_dims.size() == 3 && sums_dims[2] == kDxTerms) {
+    JAXNORM_RETURN_IF_ERROR(
+        expect_optional_dims(sums_out, "sums_out", {s->n, s->c, kDxTerms}, st, &has_terms));
+  } else {
+    JAXNORM_RETURN_IF_ERROR(
+        expect_optional_dims(sums_out, "sums_out", {s->n, s->groups, 2}, st, &has_sums));
+  }
   JAXNORM_RETURN_IF_ERROR(expect_optional_dims(dx, "dx", {s->n, s->a, s->c, s->b},
                                                x.element_type(), &has_dx));
   const DataType wt = s->has_scale ? scale.element_type() : bias.element_type();
@@ -161,19 +171,22 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
   JAXNORM_RETURN_IF_ERROR(expect_optional_dims(dbias, "dbias", {s->c}, wt, &has_dbias));
   const bool params_out = has_dscale == s->has_scale && has_dbias == s->has_bias;
   const bool no_params_out = !has_dscale && !has_dbias;
+  const bool no_sums = !has_sums && !has_terms;
   if (s->size() == 0) {
     *mode = has_means ? ChannelBwdMode::kDx : has_sums ? ChannelBwdMode::kSums
-                                                       : ChannelBwdMode::kFull;
-  } else if (!has_means && has_dx && !has_sums && params_out) {
+          : has_terms ? ChannelBwdMode::kTerms : ChannelBwdMode::kFull;
+  } else if (!has_means && has_dx && no_sums && params_out) {
     *mode = ChannelBwdMode::kFull;
   } else if (!has_means && !has_dx && has_sums && params_out) {
     *mode = ChannelBwdMode::kSums;
-  } else if (has_means && has_dx && !has_sums && (params_out || no_params_out)) {
+  } else if (!has_means && !has_dx && has_terms && params_out) {
+    *mode = ChannelBwdMode::kTerms;
+  } else if (has_means && has_dx && no_sums && (params_out || no_params_out)) {
     *mode = ChannelBwdMode::kDx;
   } else {
     return ffi::Error::InvalidArgument(
-        "jaxnorm: channel_norm_bwd returns dx, dscale and dbias; or sums_out, dscale and "
-        "dbias; or, given means, dx (and dscale and dbias, or neither)");
+        "jaxnorm: channel_norm_bwd returns dx, dscale and dbias; or sums_out (sums or dx's "
+        "terms), dscale and dbias; or, given means, dx (and dscale and dbias, or neither)");
   }
   *param_grads = has_dscale || has_dbias;
   return check_epsilon(epsilon);

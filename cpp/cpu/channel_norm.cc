@@ -117,6 +117,21 @@ void fwd(const ChannelNormShape& s, double eps, Activation act, bool given, bool
   }
 }
 
+// One sample's dx terms a channel (channel_args.h): a = rstd scale, k_x,
+// k_0 with dx = a dy' + k_x (x - mean) + k_0, from
+// rstd (g - mean(g) - xhat mean(g xhat)).
+template <typename A>
+void write_dx_terms(const ChannelNormShape& s, const Affine<A>& p,
+                    const std::vector<double>& mean_g, const std::vector<double>& mean_gx,
+                    A* out) {
+  for (int64_t c = 0; c < s.c; ++c) {
+    const int64_t g = c / s.group_size;
+    const double rstd = p.rstd[c];
+    A* t = out + c * kDxTerms;
+    t[0] = A(rstd * p.w[c]), t[1] = A(-rstd * rstd * mean_gx[g]), t[2] = A(-rstd * mean_g[g]);
+  }
+}
+
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy' * scale, the
 // means over each group of a sample; dscale = sum dy' * xhat, dbias = sum dy'
 // over all but the channels. dy' is dy through the activation's derivative.
@@ -170,6 +185,10 @@ void bwd(const ChannelNormShape& s, double eps, Activation act, ChannelBwdMode m
         mean_g[g] = count > 0 ? mean_g[g] / count : 0.0;
         mean_gx[g] = count > 0 ? mean_gx[g] / count : 0.0;
       }
+    }
+    if (mode == ChannelBwdMode::kTerms) {
+      write_dx_terms(s, p, mean_g, mean_gx, static_cast<A*>(sums_out) + n * s.c * kDxTerms);
+      continue;
     }
     each_element(s, n, [&](int64_t i, int64_t c) {
       const A xh = xhat(i, c), d = grad(i, c, xh);

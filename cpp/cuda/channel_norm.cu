@@ -134,8 +134,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
       plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev,
                  tile_sums<X, G, W, V>);
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
-  const bool dx_out = mode != ChannelBwdMode::kSums;
-  A *partial = nullptr, *chan = nullptr, *coef = nullptr;
+  const bool dx_out = mode == ChannelBwdMode::kFull || mode == ChannelBwdMode::kDx;
+  const bool terms_out = mode == ChannelBwdMode::kTerms;  // group_sums' coef, returned
+  A *partial = nullptr, *chan = nullptr, *coef = terms_out ? sums_out : nullptr;
   if (from_tiles) {
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 2, &partial));
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &chan));
@@ -143,7 +144,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
         x, dy, p, mean, var, s.group_size, epsilon, act, t, partial);
   }
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
-  const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out};
+  const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out || terms_out,
+                            terms_out};
   const int64_t per = groups_per_block(s, dev);
   const bool grads_here = params_out && s.n == 1;  // group_sums writes them
   group_sums<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(

@@ -558,13 +558,17 @@ struct GroupSumsMode {
   bool from_tiles;   // the tiles' sums are there (not with means given alone)
   bool write_sums;   // into sums_out, for the caller to add up across devices
   bool dx_terms;     // coef: dx's per-channel terms
+  bool xla_terms;    // ... as returned to XLA (kDxTerms a channel), not apply_dx's
 };
 
 // Backward, per (n, group): the tiles' sums merged per channel (into chan,
 // 2 a channel: sum dy', sum dy' xhat); the group's means of g = dy' scale
 // and g xhat (or, given, `means`); and dx's per-channel terms
 // coef[(n * C + c) * 5 + k] = (a, b, k_d, k_x, k_0): the activation's input
-// is x a + b, dx = k_d dy' + k_x x + k_0. Where N is 1 (BatchNorm) the
+// is x a + b, dx = k_d dy' + k_x x + k_0; or, for XLA (mode.xla_terms),
+// coef[(n * C + c) * 3 + k] = (a, k_x, k_0') about the mean: the activation's
+// input (x - mean) a + bias, dx = a dy' + k_x (x - mean) + k_0' (no
+// cancellation for means far from zero). Where N is 1 (BatchNorm) the
 // channels' sums are dscale and dbias, written here when asked for (not
 // null) instead of by a launch of param_grads. Groups of one channel are
 // done where their tiles' merge ends, as in group_stats.
@@ -594,6 +598,11 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const A mu = mean[at], rstd = rsqrt_acc(var[at] + A(epsilon));
     // dx = rstd (w dy' - mean_g - xhat mean_gx), xhat = (x - mu) rstd
     const A w = p.template w<A>(c), a = rstd * w;
+    if (mode.xla_terms) {
+      A* dst = coef + (chunk.n * t.c + c) * kDxTerms;
+      dst[0] = a, dst[1] = -rstd * rstd * mean_gx, dst[2] = -rstd * mean_g;
+      return;
+    }
     A* dst = coef + (chunk.n * t.c + c) * 5;
     dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
     dst[2] = a, dst[3] = -rstd * rstd * mean_gx, dst[4] = rstd * (rstd * mean_gx * mu - mean_g);
