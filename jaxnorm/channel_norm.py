@@ -317,7 +317,8 @@ def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, 
     first launch returns this block's per-group sums, one all-reduce adds them
     up (with the parameter gradients) and a second launch writes dx. Frozen
     (given) statistics have no gradient: the group means are zero. With
-    `xla_elementwise` the kernel computes the sums alone and dx is jax.numpy."""
+    `xla_elementwise` dx is jax.numpy: from the kernel's per-channel terms
+    (mode "terms"), or, with the reduced dims split, from the summed sums."""
     x4, dy4 = view(x, lead_ndim, axis), view(dy, lead_ndim, axis)
     n, a, c, b = x4.shape
     groups = c // group_size
