@@ -417,9 +417,8 @@ def _bn_f64(x, scale, bias, axis, act, stats=None):
 
 @pytest.mark.parametrize("act", [None, "relu"])
 def test_batch_norm_gradients_large_mean_are_stable(act):
-    """float32 x near 1e3 with a spread near 1: dx is formed about the mean
-    (the kernels' dx terms), so it does not lose the digits x and the mean
-    share."""
+    """float32 x near 1e3 with a spread near 1: the gradients (through the
+    kernels' dx terms where XLA writes dx) against float64."""
     x = rand(38, (64, 8, 8, 4), jnp.float32, offset=1e3)
     scale, bias = params(39, 4, jnp.float32)
     dy = rand(40, x.shape, jnp.float32)
