@@ -22,7 +22,8 @@ _CLEAN = {
     "memcheck": "ERROR SUMMARY: 0 errors",
     "racecheck": "RACECHECK SUMMARY: 0 hazards",
 }
-_TEST_ENDED = re.compile(r"^(.)gpu memory after (\S+?::.*?): ", re.M)
+# (ids may hold ": " themselves: a dict among the parameters)
+_TEST_ENDED = re.compile(r"^(.)gpu memory after (\S+?::.*): process \d+ MiB", re.M)
 
 
 def collected_ids(test_files: list[str]) -> list[str]:

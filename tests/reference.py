@@ -46,6 +46,15 @@ def vjp64(x, scale, bias, dy, eps, centered, ndim):
     return pullback(f64(dy))
 
 
+def lowering_platform():
+    """The default device's lowering platform ("cpu", "cuda" or "rocm"), as
+    jaxnorm.kernel_platforms() names them; a GPU's device platform is "gpu"."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+    return device.platform
+
+
 def assert_close(actual, expected, dtype, scale=1.0):
     rtol, atol = TOLERANCE[np.dtype(dtype)]
     np.testing.assert_allclose(

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import assert_close, rand
+from reference import assert_close, lowering_platform, rand
 
 import jaxnorm
 
@@ -204,7 +204,7 @@ def test_kernels_where_the_platform_takes_the_line(name, shape, axis, dtype):
     gradient alone runs no forward, and both are right either way."""
     from jaxnorm._channels import cuda_line_fits, cuda_position_tiles_fit, cuda_positions_fit
 
-    platform = {"gpu": "cuda"}.get(jax.devices()[0].platform, jax.devices()[0].platform)
+    platform = lowering_platform()
     if platform not in jaxnorm.kernel_platforms():
         pytest.skip("no kernels here")
     f, ref = _op(name, axis)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import TOLERANCE, assert_close, rand
+from reference import TOLERANCE, assert_close, lowering_platform, rand
 
 import jaxnorm
 
@@ -567,16 +567,13 @@ def test_bad_input_is_named(call, error, match):
 # ------------------------------------ handlers and the jax.numpy lowering
 
 
-def _platform():
-    return jax.devices()[0].platform
-
-
 def _ffi(target, outs, *args, **attrs):
     return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
 
 
 @pytest.mark.skipif(
-    "channel_norm_fwd" not in jaxnorm._ffi.KERNELS.get(_platform(), ()), reason="no kernel")
+    "channel_norm_fwd" not in jaxnorm._ffi.KERNELS.get(lowering_platform(), ()),
+    reason="no kernel")
 @pytest.mark.parametrize(
     "case,match",
     [

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import assert_close, norm_np, rand, vjp64
+from reference import assert_close, lowering_platform, norm_np, rand, vjp64
 
 import jaxnorm
 
@@ -597,16 +597,9 @@ def test_rank_zero_and_traced_epsilon():
 # ------------------------------------------------ kernels and handlers
 
 
-def _platform():
-    device = jax.devices()[0]
-    if device.platform == "gpu":  # lowering platform names: "cuda" or "rocm"
-        return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
-    return device.platform
-
-
 def test_default_platform_uses_its_kernels():
     hlo = jax.jit(jaxnorm.rms_norm).lower(jnp.ones((4, 8), jnp.float32)).as_text()
-    has_kernel = _platform() in jaxnorm.kernel_platforms()
+    has_kernel = lowering_platform() in jaxnorm.kernel_platforms()
     assert ("jaxnorm_row_norm_fwd" in hlo) == has_kernel
 
 
@@ -615,7 +608,7 @@ def test_dead_output_computes_statistics_only():
     f = jax.jit(lambda x, s, dy: jax.vjp(jaxnorm.rms_norm, x, s)[1](dy))
     hlo = f.lower(x, x[0], x).as_text()
     fwd = [line for line in hlo.splitlines() if "@jaxnorm_row_norm_fwd" in line]
-    if _platform() in jaxnorm.kernel_platforms():
+    if lowering_platform() in jaxnorm.kernel_platforms():
         assert len(fwd) == 1 and "tensor<16x0xf32>" in fwd[0]
 
 
@@ -624,7 +617,7 @@ def _custom_calls(compiled_hlo, name):
             if "custom-call(" in ln and f'custom_call_target="jaxnorm_{name}"' in ln]
 
 
-@pytest.mark.skipif(_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
+@pytest.mark.skipif(lowering_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
 @pytest.mark.parametrize("op", OPS)
 def test_backward_computes_statistics_of_a_dead_forward(op):
     """Forward and backward in one jit with the forward's output dead: the
@@ -658,7 +651,7 @@ def _ffi(target, outs, *args, **attrs):
     return jax.ffi.ffi_call("jaxnorm_" + target, outs)(*args, **attrs)
 
 
-@pytest.mark.skipif(_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
+@pytest.mark.skipif(lowering_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
 @pytest.mark.parametrize(
     "case,match",
     [
