@@ -14,7 +14,8 @@
 // split over clusters of those many blocks a row, up to 16 (PARTS=8x2: at 2
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
-// YOFF_KB=1,64 the planned forward with y that far past x (1: none). The
+// YOFF_KB=1,64 the planned forward with y that far past x (1: none),
+// DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -219,7 +220,10 @@ int main(int argc, char** argv) {
   CHECK(cudaStreamCreate(&s));
   int dev = 0;
   CHECK(cudaGetDevice(&dev));
-  const DeviceInfo& info = device_info(dev);
+  // DRAM_SLOW=1: plan as where DRAM is slow (dram_is_slow), to time those
+  // rules on a GPU whose DRAM is fast; the kernels are the same.
+  DeviceInfo info = device_info(dev);
+  if (std::getenv("DRAM_SLOW")) info.dram_gbps = 1;
   const int sms = info.sms;
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, dev));
@@ -227,7 +231,8 @@ int main(int argc, char** argv) {
   char date[16];
   const std::time_t now = std::time(nullptr);
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
-  std::printf("device %s, %d SMs, copy %.0f GB/s, %s\n", prop.name, sms, copy, date);
+  std::printf("device %s, %d SMs, copy %.0f GB/s, %s%s\n", prop.name, sms, copy, date,
+              std::getenv("DRAM_SLOW") ? ", planned as where DRAM is slow" : "");
   // What a launch costs in these graphs before any work: an empty kernel.
   for (int blocks : {1, 64}) {
     const float us = time_us(s, [&] { empty_kernel<<<blocks, 256, 0, s>>>(); });
@@ -340,13 +345,18 @@ int main(int argc, char** argv) {
       time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
                own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
-      // A split planned with bulk copies (split_loads_in_bulk), again with
-      // its slices by each thread's cp.async (sc).
-      if (l.kernel == bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false, true)) {
+      // A split that may load its slices by bulk copies (split_may_load_in_bulk),
+      // again the other way: by each thread's cp.async (sc) where planned with
+      // bulk copies, else with them (sb).
+      const auto bulk_kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false, true);
+      const auto copy_kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
+      if (split_may_load_in_bulk(own_plan, nvec, regions) &&
+          (l.kernel == bulk_kernel || l.kernel == copy_kernel)) {
+        const bool bulk = l.kernel == bulk_kernel;
         auto lc = l;
-        lc.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
+        lc.kernel = bulk ? copy_kernel : bulk_kernel;
         CHECK(allow_dynamic_smem_once(lc.kernel, lc.smem, info));  // (planned for l.kernel)
-        time_bwd(" sc", own_plan.tpr, 1, lc.grid, lc.smem,
+        time_bwd(bulk ? " sc" : " sb", own_plan.tpr, 1, lc.grid, lc.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
       }
       auto time_own = [&](const char* name, const RowPlan& q) {

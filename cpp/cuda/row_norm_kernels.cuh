@@ -1381,18 +1381,34 @@ inline RowPlan plan_bwd_split(int64_t rows, int64_t nvec, const DeviceInfo& dev)
   return p;
 }
 
-// Whether a split's blocks load their slices by bulk copies (bwd_regs'
+// Where DRAM feeds an SM less than kFastDramGbpsPerSm (an H100: 3.35 TB/s
+// peak, 25 GB/s an SM; an H200's 4.8 TB/s is 36), some backward plans
+// measured faster than where it is fast.
+constexpr double kFastDramGbpsPerSm = 30;
+inline bool dram_is_slow(const DeviceInfo& dev) {
+  return dev.dram_gbps > 0 && dev.dram_gbps < kFastDramGbpsPerSm * dev.sms;
+}
+
+// Whether a split's blocks may load their slices by bulk copies (bwd_regs'
 // kBulk): RMSNorm's, in blocks of at least two warps at 3-4 vectors a
-// thread. On an H100 (bf16, computing the statistics, benchmarks/NOTES.md
-// v58; GB/s): 512x65536 2390 -> 2568, 1024x49152 2555 -> 2574, 2048x16392
-// 2375 -> 2412, 4096x12288 2499 -> 2549, 8192x12288 2596 -> 2633; at 2
-// vectors a thread (2048x32768) 15% slower, in blocks of a warp (16384x4096)
-// 14%, and LayerNorm's splits by up to 4%. Every block needs a slice: its
-// threads wait for their stage's bytes.
-inline bool split_loads_in_bulk(const RowPlan& p, int64_t nvec, int regions) {
+// thread. Every block needs a slice: its threads wait for their stage's
+// bytes.
+inline bool split_may_load_in_bulk(const RowPlan& p, int64_t nvec, int regions) {
   if (p.parts < 2 || regions > 1 || p.tpr < 64) return false;
   const int64_t span = (nvec + p.parts - 1) / p.parts;
   return span > 2 * int64_t(p.tpr) && nvec > (p.parts - 1) * span;
+}
+
+// Whether they do: where DRAM is slow. On an H100 (bf16, computing the
+// statistics, benchmarks/NOTES.md v58; GB/s): 512x65536 2390 -> 2568,
+// 1024x49152 2555 -> 2574, 2048x16392 2375 -> 2412, 4096x12288 2499 -> 2549,
+// 8192x12288 2596 -> 2633; at 2 vectors a thread (2048x32768) 15% slower, in
+// blocks of a warp (16384x4096) 14%, and LayerNorm's splits by up to 4%. On
+// an H200 each thread's cp.async ran faster (v68): 512x65536 64.6 -> 61.4 us,
+// 2048x32768 112.9 -> 109.3.
+inline bool split_loads_in_bulk(const RowPlan& p, int64_t nvec, int regions,
+                                const DeviceInfo& dev) {
+  return dram_is_slow(dev) && split_may_load_in_bulk(p, nvec, regions);
 }
 
 // Whether a backward launch of `plan` holds dscale/dbias in registers:
@@ -1417,7 +1433,7 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   } else {
     const bool acc_in_regs = bwd_acc_in_regs<X, G, W, VEC>(plan, hidden, regions, plain);
     l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs,
-                                             split_loads_in_bulk(plan, hidden / VEC, regions));
+                                             split_loads_in_bulk(plan, hidden / VEC, regions, dev));
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
     // at the cost of a second block on the SM (v14).
@@ -1466,14 +1482,6 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
     if (8 * int64_t(blocks) >= 7 * int64_t(dev.sms)) return q;
   }
   return p;
-}
-
-// Where DRAM feeds an SM less than kFastDramGbpsPerSm (an H100: 3.35 TB/s
-// peak, 25 GB/s an SM; an H200's 4.8 TB/s is 36), some backward plans
-// measured faster than where it is fast.
-constexpr double kFastDramGbpsPerSm = 30;
-inline bool dram_is_slow(const DeviceInfo& dev) {
-  return dev.dram_gbps > 0 && dev.dram_gbps < kFastDramGbpsPerSm * dev.sms;
 }
 
 // Blocks a row of the split below, or 1: where DRAM is slow, a backward
