@@ -754,7 +754,7 @@ int main(int argc, char** argv) {
       if (!few.columns) {
         with_centered(c.centered, [&](auto centered) {
           auto kernel = bwd_few<bf16, bf16, bf16, VEC, decltype(centered)::value, false, true>;
-          few_bwd(" f0o", [&] { kernel<<<1, few.threads, 0, s>>>(own); });
+          few_bwd(" f0o", [&] { kernel<<<1, few.threads, 0, s>>>(own, nullptr); });
           return 0;
         });
       }
@@ -778,12 +778,12 @@ int main(int argc, char** argv) {
         const float us_dots = time_us(s, [&] {  // as planned: the row length fixed if it can be
           CHECK(with_row_vecs(nvec, [&](auto vecs) {
             auto dots = bwd_few<bf16, bf16, bf16, VEC, kC, true, false, decltype(vecs)::value>;
-            dots<<<few.blocks, few.threads, 0, s>>>(ba);
+            dots<<<few.blocks, few.threads, 0, s>>>(ba, nullptr);
             return cudaGetLastError();
           }));
         });
         const float us_cols = time_us(s, [&] {
-          bwd_cols<bf16, bf16, bf16, VEC, kC><<<col_grid, kColThreads, 0, s>>>(ba);
+          bwd_cols<bf16, bf16, bf16, VEC, kC><<<col_grid, kColThreads, 0, s>>>(ba, nullptr);
         });
         std::printf("%-3s %-9s %12s %3s %4d %3d %6d %6s %9.1f\n", op, "bwd", shape, "fk-dots",
                     few.threads, 1, few.blocks, "-", us_dots);

@@ -64,14 +64,15 @@ ffi::Error row_norm_bwd_impl(cudaStream_t stream, int32_t device,
             nullptr, dscale->untyped_data(), dbias->untyped_data(),
             s.rows, s.hidden, 0, 0, centered, s.has_scale, s.has_bias, false};
   if (s.has_residual) a.dres = dres.untyped_data();
-  if (s.forms_h) a.residual = residual.untyped_data();
+  const void* h_residual = s.forms_h ? residual.untyped_data() : nullptr;
   if (!s.has_stats) a.mean = a.rstd = nullptr;
   a.epsilon = epsilon;
   a.scale_offset = zero_centered ? 1.0f : 0.0f;
   const DeviceInfo& dev = device_info(device);
   return dispatch_x_type(x.element_type(), [&](auto xt) {
     return row_norm_bwd_for<native_t<decltype(xt)>>(
-        stream, dev, scratch, dy.element_type(), param_dtype(x, scale, *dbias, s), a);
+        stream, dev, scratch, dy.element_type(), param_dtype(x, scale, *dbias, s), a,
+        h_residual);
   });
 }
 

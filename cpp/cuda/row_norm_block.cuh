@@ -609,11 +609,11 @@ using RowTerms = Packed<A, 4>;
 // (else RMSNorm). kOwn: no statistics given (a.rstd null, the forward's
 // output dead): the block computes them from the x it holds, in the same
 // reduction as the dots (RowDots), which spares the statistics-only forward
-// a launch. Given a residual (kOwn then), h = x + residual stands for x.
-// kRowVecs > 0: rows of exactly that many vectors (RowSpan).
+// a launch. Given a residual (kOwn then; null without one), h = x + residual
+// stands for x. kRowVecs > 0: rows of exactly that many vectors (RowSpan).
 template <typename X, typename G, typename W, int VEC, bool kCentered, bool kDots, bool kOwn,
           int kRowVecs = 0>
-__global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
+__global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a, const void* residual) {
   using A = acc_t<X>;
   constexpr RowDots kMode = !kOwn ? RowDots::kSaved
                             : kCentered ? RowDots::kOwnLn : RowDots::kOwnRms;
@@ -628,7 +628,7 @@ __global__ void __launch_bounds__(kFewBwdThreads) bwd_few(BwdArgs a) {
   if (a.has_scale) load_row(wv, static_cast<const W*>(a.scale), span);
   load_row(xv, static_cast<const X*>(a.x) + row * hidden, span);
   load_row(gv, static_cast<const G*>(a.dy) + row * hidden, span);
-  const X* res = static_cast<const X*>(a.residual);
+  const X* res = static_cast<const X*>(residual);
   if (res != nullptr) {
     res += row * hidden;
     RegVec<X, VEC> rv[NV];
@@ -741,7 +741,7 @@ __device__ __forceinline__ void slot_sum_scatter(A (&v)[VEC], int lane) {
 }
 
 template <typename X, typename G, typename W, int VEC, bool kCentered>
-__global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
+__global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a, const void* residual) {
   using A = acc_t<X>;
   __shared__ Packed<A, VEC> sums[2][kColThreads / 32][kColVecs];  // [region][warp][vector]
   const int j = threadIdx.x % kColVecs, slot = threadIdx.x / kColVecs;
@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
       if (row >= a.rows) continue;
       xv[u].load(static_cast<const X*>(a.x) + at);
-      if (a.residual != nullptr) rv[u].load(static_cast<const X*>(a.residual) + at);
+      if (residual != nullptr) rv[u].load(static_cast<const X*>(residual) + at);
       gv[u].load(static_cast<const G*>(a.dy) + at);
       dres[u].load(a, at);
       terms_of[u] = terms[row];
@@ -774,7 +774,7 @@ __global__ void __launch_bounds__(kColThreads) bwd_cols(BwdArgs a) {
     for (int u = 0; u < kColBatch; ++u) {
       const int64_t row = first + u * kColRows, at = row * a.hidden + c * VEC;
       if (row >= a.rows) continue;
-      if (a.residual != nullptr) add_vec(xv[u], rv[u]);
+      if (residual != nullptr) add_vec(xv[u], rv[u]);
       const auto [c_gx, c_g, mean, rstd] = terms_of[u].v;
       A o[VEC];
 #pragma unroll
@@ -841,9 +841,11 @@ FewBwdPlan plan_bwd_few(int64_t rows, int64_t hidden, const DeviceInfo& dev) {
 }
 
 // Runs the plan, with a.partial pointing at partial_bytes of scratch. Without
-// statistics (a.rstd null) the first launch computes them (kOwn).
+// statistics (a.rstd null) the first launch computes them (kOwn), of x +
+// residual where that is not null.
 template <typename X, typename G, typename W, int VEC>
-cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdArgs& a) {
+cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdArgs& a,
+                           const void* residual = nullptr) {
   return with_centered(a.centered, [&](auto centered) {
     constexpr bool kC = decltype(centered)::value;
     return with_flag(a.rstd == nullptr, [&](auto own) {
@@ -852,12 +854,12 @@ cudaError_t launch_bwd_few(cudaStream_t stream, const FewBwdPlan& p, const BwdAr
         constexpr int V = decltype(vecs)::value;
         auto first = p.columns ? bwd_few<X, G, W, VEC, kC, true, kOwn, V>
                                : bwd_few<X, G, W, VEC, kC, false, kOwn, V>;
-        first<<<unsigned(p.blocks), p.threads, 0, stream>>>(a);
+        first<<<unsigned(p.blocks), p.threads, 0, stream>>>(a, residual);
         return cudaGetLastError();
       });
       if (err != cudaSuccess || !p.columns) return err;
       const unsigned grid = unsigned((a.hidden / VEC + kColVecs - 1) / kColVecs);
-      bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a);
+      bwd_cols<X, G, W, VEC, kC><<<grid, kColThreads, 0, stream>>>(a, residual);
       return cudaGetLastError();
     });
   });

@@ -76,15 +76,17 @@ struct BwdArgs {
   bool centered, has_scale, has_bias;
   bool stage_params;  // scale staged in shared memory, after the accumulators
   const void* dres = nullptr;  // added to dx: the cotangent of new_residual
-  // Given (row_norm_args.h), x + residual is what the backward normalizes:
-  // the few-rows kernels add it as they load x; other plans get it in scratch.
-  const void* residual = nullptr;
   float scale_offset = 0;
   int parts = 1;  // blocks (a cluster) sharing each row, a slice of it each
   // mean and rstd null: the register path computes each row's statistics from
   // the x it holds, with the forward's epsilon (row_norm_args.h).
   double epsilon = 0;
 };
+// 128 bytes. A pointer more (136) made ptxas spill in bwd_regs' one-block
+// kernel with its accumulators in registers, 4-6% slower on an H200
+// (benchmarks/NOTES.md v68), which is why the backward's residual
+// (row_norm_args.h) is an argument of its own where a kernel takes one.
+static_assert(sizeof(BwdArgs) == 128);
 
 // How a launch covers the rows. nv = 0 means the long path.
 struct RowPlan {

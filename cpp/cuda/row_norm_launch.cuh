@@ -19,10 +19,12 @@ ffi::Error row_norm_fwd_for(cudaStream_t stream, const DeviceInfo& dev, DataType
                             DataType w_type, const FwdArgs& a);
 
 // g_type, w_type: dy's and the parameters' dtypes (x's or float32).
+// residual: given (row_norm_args.h), the backward normalizes x + residual;
+// else null.
 template <typename X>
 ffi::Error row_norm_bwd_for(cudaStream_t stream, const DeviceInfo& dev,
                             ffi::ScratchAllocator& scratch, DataType g_type,
-                            DataType w_type, BwdArgs a);
+                            DataType w_type, BwdArgs a, const void* residual);
 
 // The explicit instantiation of each (SPEC empty), in the unit written for
 // it; every other unit declares them extern, which keeps it from compiling
@@ -33,7 +35,7 @@ ffi::Error row_norm_bwd_for(cudaStream_t stream, const DeviceInfo& dev,
 #define JAXNORM_ROW_NORM_BWD_FOR(SPEC, X)                                      \
   SPEC template ffi::Error row_norm_bwd_for<X>(cudaStream_t, const DeviceInfo&, \
                                                ffi::ScratchAllocator&, DataType, \
-                                               DataType, BwdArgs);
+                                               DataType, BwdArgs, const void*);
 #define JAXNORM_ROW_NORM_EACH_X(M, SPEC) \
   M(SPEC, float) M(SPEC, double) M(SPEC, __nv_bfloat16) M(SPEC, __half)
 
@@ -73,14 +75,15 @@ inline ffi::Error scratch_for_partials(ffi::ScratchAllocator& scratch, size_t by
 // For a backward given no statistics whose kernel reads them (the long
 // path), or given a residual on a plan that reads h: the statistics-only
 // forward into scratch, which forms h there too; then a.mean, a.rstd (and
-// a.x) point there.
+// a.x) point there, and residual is null.
 template <typename X, typename W>
 ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
-                              ffi::ScratchAllocator& scratch, BwdArgs& a) {
+                              ffi::ScratchAllocator& scratch, BwdArgs& a,
+                              const void*& residual) {
   using A = acc_t<X>;
   if (a.rstd != nullptr) return ffi::Error::Success();
   const size_t stats_bytes = (2 * size_t(a.rows) * sizeof(A) + 15) / 16 * 16;
-  const size_t h_bytes = a.residual ? size_t(a.rows) * size_t(a.hidden) * sizeof(X) : 0;
+  const size_t h_bytes = residual ? size_t(a.rows) * size_t(a.hidden) * sizeof(X) : 0;
   auto mem = scratch.Allocate(stats_bytes + h_bytes, 16);
   if (!mem.has_value()) {
     return ffi::Error(ffi::ErrorCode::kResourceExhausted,
@@ -90,8 +93,8 @@ ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
   A* mean = rstd + a.rows;
   FwdArgs f{a.x, nullptr, nullptr, nullptr, mean, rstd, a.rows, a.hidden, 0, 0,
             a.epsilon, a.centered, false, false, /*write_y=*/false, false};
-  if (a.residual != nullptr) {
-    f.residual = a.residual;
+  if (residual != nullptr) {
+    f.residual = residual;
     f.new_residual = static_cast<char*>(*mem) + stats_bytes;
   }
   // Through the forward's own unit (row_norm_fwd_for), so that this unit
@@ -99,23 +102,25 @@ ffi::Error stats_into_scratch(cudaStream_t stream, const DeviceInfo& dev,
   JAXNORM_RETURN_IF_ERROR(row_norm_fwd_for<X>(stream, dev, dtype_of<X>(), dtype_of<W>(), f));
   a.mean = mean;
   a.rstd = rstd;
-  if (a.residual != nullptr) a.x = f.new_residual;
-  a.residual = nullptr;
+  if (residual != nullptr) a.x = f.new_residual;
+  residual = nullptr;
   return ffi::Error::Success();
 }
 
 template <typename X, typename G, typename W, int VEC>
 ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
-                          ffi::ScratchAllocator& scratch, BwdArgs a) {
+                          ffi::ScratchAllocator& scratch, BwdArgs a,
+                          const void* residual) {
   if constexpr (VEC > 1) {
     const FewBwdPlan few = plan_bwd_few<X, VEC>(a.rows, a.hidden, dev);
     if (few.blocks > 0) {  // computes missing statistics itself
       JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, few.partial_bytes, a));
-      return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a), "row_norm_bwd");
+      return cuda_error(launch_bwd_few<X, G, W, VEC>(stream, few, a, residual),
+                        "row_norm_bwd");
     }
   }
-  if (a.residual != nullptr) {  // the plans below read h
-    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W>(stream, dev, scratch, a)));
+  if (residual != nullptr) {  // the plans below read h
+    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W>(stream, dev, scratch, a, residual)));
   }
   if constexpr (VEC > 1 && sizeof(X) == 2 && std::is_same_v<X, G>) {
     if (roles_serve(a, dev)) {
@@ -128,7 +133,7 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
   const bool own_stats = a.rstd == nullptr;
   RowPlan p = plan_bwd_rows<X, G, W, VEC>(a.rows, a.hidden, regions, plain, own_stats, dev);
   if (p.nv == 0) {  // the register path computes missing statistics itself
-    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W>(stream, dev, scratch, a)));
+    JAXNORM_RETURN_IF_ERROR((stats_into_scratch<X, W>(stream, dev, scratch, a, residual)));
   }
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, plain, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
@@ -153,15 +158,15 @@ ffi::Error row_norm_fwd_for(cudaStream_t stream, const DeviceInfo& dev, DataType
 template <typename X>
 ffi::Error row_norm_bwd_for(cudaStream_t stream, const DeviceInfo& dev,
                             ffi::ScratchAllocator& scratch, DataType g_type,
-                            DataType w_type, BwdArgs a) {
+                            DataType w_type, BwdArgs a, const void* residual) {
   return dispatch_y_w_types<dtype_of<X>()>(g_type, w_type, [&](auto gt, auto wt) {
     using G = native_t<decltype(gt)>;
     using W = native_t<decltype(wt)>;
     return with_vec_or_one<X, 16 / sizeof(X)>(
-        a.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres, a.residual},
+        a.hidden, {a.x, a.dy, a.dx, a.scale, a.dscale, a.dbias, a.dres, residual},
         [&](auto v) {
-          return row_norm_detail::launch_bwd_vec<X, G, W, decltype(v)::value>(stream, dev,
-                                                                              scratch, a);
+          return row_norm_detail::launch_bwd_vec<X, G, W, decltype(v)::value>(
+              stream, dev, scratch, a, residual);
         });
   });
 }
