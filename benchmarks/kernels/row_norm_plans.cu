@@ -15,7 +15,9 @@
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
 // YOFF_KB=1,64 the planned forward with y that far past x (1: none),
-// DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). The
+// DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). A split
+// planned to hold its first pass's values (bwd_regs' kHold) is timed again
+// without (sn, s8n). The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -294,6 +296,19 @@ int main(int argc, char** argv) {
                   shape, name, tpr, rpb, grid, smem, us, bytes / us / 1e3,
                   100 * bytes / us / 1e3 / copy, err);
     };
+    // A split planned to hold its first pass's values (bwd_regs' kHold),
+    // again without (sn: computing the statistics; s8n: given them), on as
+    // many clusters as then fit.
+    auto time_unheld = [&](const char* name, const auto& l, const BwdArgs& args) {
+      const auto held = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true, false, true);
+      if (l.plan.parts < 2 || l.kernel != held) return;
+      auto lu = l;
+      lu.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true);
+      const int fit = resident_clusters(lu.kernel, l.plan.threads(), lu.smem, l.plan.parts, info);
+      lu.grid = grid_size(l.plan.groups, fit) * l.plan.parts;
+      time_bwd(name, l.plan.tpr, 1, lu.grid, lu.smem,
+               [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lu, args)); });
+    };
     // The plans the handlers take are marked *: few-rows kernels where they
     // serve, else the generic plan.
     const FewBwdPlan few = plan_bwd_few<bf16, VEC>(c.rows, H, info);
@@ -359,6 +374,7 @@ int main(int argc, char** argv) {
         time_bwd(bulk ? " sc" : " sb", own_plan.tpr, 1, lc.grid, lc.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
       }
+      time_unheld(" sn", l, own);
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
         if (lq.smem > info.max_dynamic_smem) return;
@@ -460,6 +476,7 @@ int main(int argc, char** argv) {
         time_bwd(name, bwd_plan.tpr, 1, lk.grid, lk.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lk, ba)); });
       }
+      time_unheld("s8n", l, ba);
     }
     // Rows that fit a block, split over a cluster of 2 or 4 anyway (c2, c4):
     // smaller blocks, more of them an SM, where the shared memory a thread

@@ -846,9 +846,16 @@ inline bool split_fits_slots(int parts, int threads) {
 // At least one block an SM: the bound lets ptxas take up to 128 registers
 // (more with kAccInRegs), where by itself it gave some instantiations 64 and
 // spilled (float32 with a cluster a row: 16 bytes).
+// kHold: a split's slices of at most kMaxSliceThreads threads, its
+// accumulators in registers, hold each vector's dy and first-pass xhat in
+// registers across the row's sums, where the second pass would read x and dy
+// from the ring and convert them again; the bound lets ptxas take the 255
+// registers that needs (plan_bwd).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs, bool kBulk = false>
-__global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads, 1)
+          bool kAccInRegs, bool kBulk = false, bool kHold = false>
+__global__ void __launch_bounds__(kHold ? kMaxSliceThreads
+                                  : !kAccInRegs ? kMaxRowThreads
+                                                : kAccRegsThreads, 1)
     bwd_regs(BwdArgs a) {
   using A = acc_t<X>;
   using L = AccLayout<A, VEC>;
@@ -856,6 +863,7 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
   using M = BwdSmem<A, VEC, NV, kWideDy, kAccInRegs>;
   using R = typename M::R;
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
+  static_assert(!kHold || (kSplit && kAccInRegs && kReread && !kBulk));
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
   // Slots for each warp of a split's blocks (ClusterSum::warps).
@@ -998,6 +1006,15 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       }
     }
     if (!kReread && a.stage_params) __syncthreads();  // every thread's scale copies
+    // g = dy * scale for vector i, d holding dy (kReread).
+    auto g_of = [&](int i, const A (&d)[VEC], A (&g)[VEC]) {
+      A w[VEC];
+      unpack(w, wv[i]);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) g[e] = d[e] * (kPlain ? w[e] : w[e] + scale_offset);
+    };
+    // kHold: the first pass's xhat (as far as it knows it) and dy.
+    A held_xh[kHold ? NV : 1][VEC], held_d[kHold ? NV : 1][VEC];
     // xhat (as far as kForm knows it) and g = dy * scale for vector i.
     auto xhat_g = [&](auto form, int i, A (&xh)[VEC], A (&d)[VEC], A (&g)[VEC]) {
       constexpr Xhat kForm = decltype(form)::value;
@@ -1039,14 +1056,23 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
     // then the dx terms. dscale and dbias are accumulated here where xhat is
     // known, else in the second pass.
     A c_gx, c_g;
+    // kHold: xhat = held_xh, or held_xh * rstd - held_shift where the first
+    // pass knew only x less the shift (or x).
+    A held_shift = 0;
+    bool held_scaled = true;
     auto first_pass = [&](auto mode) {
       constexpr RowDots kMode = decltype(mode)::value;
+      held_scaled = first_pass_xhat(kMode, kSplit) == Xhat::kScaled;
       A s[row_dot_count(kMode)] = {};
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         if (!in_row(i)) continue;
         A xh[VEC], d[VEC], g[VEC];
         xhat_g(std::integral_constant<Xhat, first_pass_xhat(kMode, kSplit)>{}, i, xh, d, g);
+        if constexpr (kHold) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) held_xh[i][e] = xh[e], held_d[i][e] = d[e];
+        }
         add_row_dots<kMode>(s, g, xh);
         if (kMode == RowDots::kSaved && valid) accumulate_params(i, d, xh);
       }
@@ -1070,7 +1096,9 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       if constexpr (kBulk) {
         fill((cur + R::kStages - 1) % R::kStages, grp + (R::kStages - 1) * grp_stride);
       }
+      [[maybe_unused]] const A shift = mean;
       row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
+      if constexpr (kHold) held_shift = (mean - shift) * rstd;
     };
     using Mode = RowDots;
     if (has_stats) {
@@ -1099,7 +1127,16 @@ __global__ void __launch_bounds__(!kAccInRegs ? kMaxRowThreads : kAccRegsThreads
       const int64_t c = t.lane + int64_t(i) * a.tpr;
       if (c >= t.nvec) continue;
       A xh[VEC], d[VEC], g[VEC], o[VEC];
-      xhat_g(std::integral_constant<Xhat, Xhat::kScaled>{}, i, xh, d, g);
+      if constexpr (kHold) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          d[e] = held_d[i][e];
+          xh[e] = held_scaled ? held_xh[i][e] : held_xh[i][e] * rstd - held_shift;
+        }
+        g_of(i, d, g);
+      } else {
+        xhat_g(std::integral_constant<Xhat, Xhat::kScaled>{}, i, xh, d, g);
+      }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) o[e] = dx_of<kSplit>(g[e], xh[e], rstd, c_g, c_gx);
       if (!has_stats) accumulate_params(i, d, xh);
@@ -1339,10 +1376,12 @@ constexpr bool may_hold_acc_in_regs() {
   return VEC > 1 && sizeof(X) == 2 && M::scale(kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
-// The register path's kernel: kPlain, kSplit, kAccInRegs and kBulk as the
-// launch needs (kBulk: 16-bit x and dy, plain, split, accumulators shared).
+// The register path's kernel: kPlain, kSplit, kAccInRegs, kBulk and kHold as
+// the launch needs (kBulk: 16-bit x and dy, plain, split, accumulators shared;
+// kHold: split, accumulators in registers).
 template <typename X, typename G, typename W, int VEC>
-void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = false))(BwdArgs) {
+void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = false,
+                       bool hold = false))(BwdArgs) {
   constexpr int NV = kMaxBwdNv;
   if constexpr (sizeof(X) == 2 && sizeof(G) == 2 && Ring<VEC, NV, 2>::kStaged) {
     if (bulk && plain && split && !acc_in_regs) {
@@ -1351,6 +1390,7 @@ void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = fal
   }
   if constexpr (may_hold_acc_in_regs<X, G, VEC>()) {
     if (acc_in_regs) {
+      if (hold && split) return &bwd_regs<X, G, W, VEC, NV, true, true, true, false, true>;
       return split ? &bwd_regs<X, G, W, VEC, NV, true, true, true>
                    : &bwd_regs<X, G, W, VEC, NV, true, false, true>;
     }
@@ -1448,7 +1488,20 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.smem = l.stage_scale ? staged : unstaged;
   }
   if (plan.parts > 1) {
-    const int clusters = resident_clusters(l.kernel, plan.threads(), l.smem, plan.parts, dev);
+    int clusters = resident_clusters(l.kernel, plan.threads(), l.smem, plan.parts, dev);
+    // A split of slices of at most kMaxSliceThreads threads, its accumulators
+    // in registers, holds its first pass's values for the second (kHold)
+    // where the registers that takes cost it no cluster. On H100s (bf16,
+    // benchmarks/NOTES.md v69) LayerNorm's 512x65536 85.2-86.2 -> 80.7-81.8
+    // us and 1024x65536 156.9-159.2 -> 146.7-148.2, computing the statistics
+    // or given them; 256x65536 computing them won 4% in one run, lost 4% in
+    // another.
+    const auto hold = bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true);
+    if (l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true) && hold != l.kernel &&
+        plan.threads() <= kMaxSliceThreads) {
+      const int with_hold = resident_clusters(hold, plan.threads(), l.smem, plan.parts, dev);
+      if (with_hold >= clusters) l.kernel = hold, clusters = with_hold;
+    }
     l.grid = grid_size(plan.groups, clusters) * plan.parts;
   } else {
     const int per_sm = blocks_per_sm(l.kernel, plan.threads(), l.smem, dev);
