@@ -338,7 +338,10 @@ PLAN_CASES = [
     # The forward of rows of 6145-8192 vectors in clusters of 8 blocks, not
     # 4 (3x65536 and 530x65536 above; 7501 vectors: slices of 938, the last
     # 935, over and under 132 rows; 40x49160 and 140x49160 above, 6145
-    # vectors, take 8 too).
+    # vectors, take 8 too). LayerNorm's backward split into slices of at most
+    # 256 threads holds its first pass's xhat and dy for the second (bwd_regs'
+    # kHold): 150x60008 for bfloat16; float16 below, with float16 and float32
+    # parameters (8191 vectors: slices of 1024, the last 1023).
     *gpu_only(
         ((3200, 4088), jnp.bfloat16, jnp.float32),
         ((3200, 4104), jnp.bfloat16, jnp.float32),
@@ -353,6 +356,8 @@ PLAN_CASES = [
         ((64, 30008), jnp.bfloat16, jnp.bfloat16),
         ((7, 60008), jnp.float16, jnp.float32),
         ((150, 60008), jnp.bfloat16, jnp.bfloat16),
+        ((150, 65536), jnp.float16, jnp.float16),
+        ((140, 65528), jnp.float16, jnp.float32),
     ),
 ]
 
