@@ -296,6 +296,11 @@ int main(int argc, char** argv) {
                   shape, name, tpr, rpb, grid, smem, us, bytes / us / 1e3,
                   100 * bytes / us / 1e3 / copy, err);
     };
+    // The grid of a split's launch of `kernel`: as many clusters as then fit.
+    auto split_grid = [&](auto kernel, const RowPlan& q, size_t smem) {
+      return grid_size(q.groups, resident_clusters(kernel, q.threads(), smem, q.parts, info)) *
+             q.parts;
+    };
     // A split planned to hold its first pass's values (bwd_regs' kHold),
     // again without (sn: computing the statistics; s8n: given them), on as
     // many clusters as then fit.
@@ -304,8 +309,7 @@ int main(int argc, char** argv) {
       if (l.plan.parts < 2 || l.kernel != held) return;
       auto lu = l;
       lu.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true);
-      const int fit = resident_clusters(lu.kernel, l.plan.threads(), lu.smem, l.plan.parts, info);
-      lu.grid = grid_size(l.plan.groups, fit) * l.plan.parts;
+      lu.grid = split_grid(lu.kernel, l.plan, lu.smem);
       time_bwd(name, l.plan.tpr, 1, lu.grid, lu.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lu, args)); });
     };
@@ -390,8 +394,7 @@ int main(int argc, char** argv) {
         lm.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, false);
         lm.smem = bwd_smem_bytes<bf16, bf16, bf16, VEC>(q, H, false, regions, false);
         if (lm.smem > info.max_dynamic_smem) return;
-        const int fit = resident_clusters(lm.kernel, q.threads(), lm.smem, q.parts, info);
-        lm.grid = grid_size(q.groups, fit) * q.parts;
+        lm.grid = split_grid(lm.kernel, q, lm.smem);
         char smem_name[16];
         std::snprintf(smem_name, sizeof smem_name, "%sm", name);
         time_bwd(smem_name, q.tpr, q.rows_per_block, lm.grid, lm.smem,

@@ -1006,7 +1006,9 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
       }
     }
     if (!kReread && a.stage_params) __syncthreads();  // every thread's scale copies
-    // g = dy * scale for vector i, d holding dy (kReread).
+    // g = dy * scale for vector i, d holding dy (kReread), as xhat_g forms it
+    // in its loop. (xhat_g calling this instead changed ptxas's schedule of
+    // the one-block kernels, which move by a few percent with it: v68.)
     auto g_of = [&](int i, const A (&d)[VEC], A (&g)[VEC]) {
       A w[VEC];
       unpack(w, wv[i]);
@@ -1500,7 +1502,10 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     if (l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true) && hold != l.kernel &&
         plan.threads() <= kMaxSliceThreads) {
       const int with_hold = resident_clusters(hold, plan.threads(), l.smem, plan.parts, dev);
-      if (with_hold >= clusters) l.kernel = hold, clusters = with_hold;
+      if (with_hold >= clusters) {
+        l.kernel = hold;
+        clusters = with_hold;
+      }
     }
     l.grid = grid_size(plan.groups, clusters) * plan.parts;
   } else {
