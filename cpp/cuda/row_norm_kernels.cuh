@@ -1515,6 +1515,34 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   return l;
 }
 
+// Sets q to LayerNorm's split in slices of at most kMaxSliceThreads threads at
+// kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
+// says whether to take it: where DRAM is slow, the slices nearly full and
+// their clusters on 7/8 of the SMs.
+// A held block spends about the same on its slice of a row at any width up
+// to that (2.1-2.3 us on H100s), so full slices move the most bytes an SM.
+// On H100s (bf16, computing the statistics, benchmarks/NOTES.md v70), against
+// fewer_parts' bigger blocks, not held: 2048x24576 in 3 blocks of 256 threads
+// 130.9-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4 of 256
+// 152.0-152.4 -> 144.4-144.8 (not 3 of 352). Slices 83% full lost
+// (2048x20480 in 3 of 224: 104.6 -> 111.7), and so did clusters on 102 SMs
+// (1024x49152 in 6 of 256: 128 -> 131). Not timed where DRAM is fast.
+template <typename X, typename G, typename W, int VEC>
+bool full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const DeviceInfo& dev) {
+  constexpr int64_t kFull = int64_t(kMaxSliceThreads) * kMaxBwdNv;
+  const int64_t nvec = hidden / VEC;
+  const int64_t parts = (nvec + kFull - 1) / kFull, span = (nvec + parts - 1) / parts;
+  q.parts = int(parts);
+  q.tpr = threads_per_row(span, kMaxBwdNv);
+  if (!dram_is_slow(dev) || parts < 2 || parts > kMaxClusterParts || 16 * span < 15 * kFull ||
+      !split_fits_slots(q.parts, q.tpr)) {
+    return false;
+  }
+  const auto l = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev);
+  return l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true) &&
+         8 * int64_t(l.grid) >= 7 * int64_t(dev.sms);
+}
+
 // LayerNorm's cluster split (two accumulators): the fewest blocks a row of up
 // to kAccRegsThreads threads, one an SM with dscale/dbias in registers, where
 // the clusters resident at once still cover 7/8 of the SMs. On an H200
@@ -1525,10 +1553,13 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
 // 1024x49152 133 -> 118 (4, not 8); at 65536 wide 6 blocks a row cover 102
 // SMs and lost 10% to 8. RMSNorm's one accumulator in shared memory kept its
 // split faster at 16392, 20480 and 32768 wide.
+//
+// Where DRAM is slow, full held slices come first (full_held_split).
 template <typename X, typename G, typename W, int VEC>
 RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
                     const DeviceInfo& dev) {
   if (regions < 2) return p;
+  if (RowPlan q = p; full_held_split<X, G, W, VEC>(q, hidden, regions, plain, dev)) return q;
   const int64_t nvec = hidden / VEC;
   for (int parts = 2; parts < p.parts; ++parts) {
     RowPlan q = p;
