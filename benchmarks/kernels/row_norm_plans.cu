@@ -17,7 +17,7 @@
 // YOFF_KB=1,64 the planned forward with y that far past x (1: none),
 // DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
-// without (sn, s8n). The
+// without (sn, s8n). A split's sum_partials launch is timed alone (sp). The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -379,6 +379,13 @@ int main(int argc, char** argv) {
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lc, own)); });
       }
       time_unheld(" sn", l, own);
+      // A split's sum of its clusters' partial dscale/dbias rows alone (sp):
+      // the part of its time that does not follow the rows a cluster takes.
+      if (l.plan.parts > 1) {
+        time_bwd(" sp", 256, 1, 0, 0, [&] {  // (its grid not shown)
+          CHECK((launch_sum_partials<bf16, float>(s, own, l.partial_rows())));
+        });
+      }
       auto time_own = [&](const char* name, const RowPlan& q) {
         const auto lq = plan_bwd<bf16, bf16, bf16, VEC>(q, H, true, regions, true, info);
         if (lq.smem > info.max_dynamic_smem) return;
