@@ -17,7 +17,8 @@
 // YOFF_KB=1,64 the planned forward with y that far past x (1: none),
 // DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
-// without (sn, s8n). A split's sum_partials launch is timed alone (sp). The
+// without (sn, s8n). A split's sum_partials launch is timed alone (sp).
+// HOLD=1 times PARTS' splits of at most 256 threads held (o16H). The
 // warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
 // there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
@@ -391,6 +392,23 @@ int main(int argc, char** argv) {
         if (lq.smem > info.max_dynamic_smem) return;
         time_bwd(name, q.tpr, q.rows_per_block, lq.grid, lq.smem,
                  [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lq, own)); });
+        // HOLD=1: a split of at most kMaxSliceThreads threads that plan_bwd
+        // does not hold (two blocks an SM fit with its accumulators in shared
+        // memory), held anyway (name+H): as many blocks an SM as its 255
+        // registers a thread leave room for.
+        const auto held = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true, false, true);
+        if (std::getenv("HOLD") && q.parts > 1 && lq.kernel != held &&
+            q.threads() <= kMaxSliceThreads) {
+          auto lh = lq;
+          lh.kernel = held;
+          lh.smem = bwd_smem_bytes<bf16, bf16, bf16, VEC>(q, H, false, regions, true);
+          CHECK(allow_dynamic_smem_once(lh.kernel, lh.smem, info));
+          lh.grid = split_grid(lh.kernel, q, lh.smem);
+          char held_name[16];
+          std::snprintf(held_name, sizeof held_name, "%sH", name);
+          time_bwd(held_name, q.tpr, 1, lh.grid, lh.smem,
+                   [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, lh, own)); });
+        }
         // ACC_SMEM=1: a split that holds dscale/dbias in registers, again
         // with them in shared memory (name+m), as many blocks as then fit.
         if (!std::getenv("ACC_SMEM") || q.parts == 1 ||
