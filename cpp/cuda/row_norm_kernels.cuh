@@ -1523,7 +1523,7 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
 // to that (2.1-2.3 us on H100s), so full slices move the most bytes an SM.
 // On H100s (bf16, computing the statistics, benchmarks/NOTES.md v70), against
 // fewer_parts' bigger blocks, not held: 2048x24576 in 3 blocks of 256 threads
-// 130.9-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4 of 256
+// 130.8-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4 of 256
 // 152.0-152.4 -> 144.4-144.8 (not 3 of 352). Slices 83% full lost
 // (2048x20480 in 3 of 224: 104.6 -> 111.7), and so did clusters on 102 SMs
 // (1024x49152 in 6 of 256: 128 -> 131). Not timed where DRAM is fast.
