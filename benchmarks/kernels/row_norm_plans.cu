@@ -302,11 +302,11 @@ int main(int argc, char** argv) {
       return grid_size(q.groups, resident_clusters(kernel, q.threads(), smem, q.parts, info)) *
              q.parts;
     };
+    const auto held = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true, false, true);
     // A split planned to hold its first pass's values (bwd_regs' kHold),
     // again without (sn: computing the statistics; s8n: given them), on as
     // many clusters as then fit.
     auto time_unheld = [&](const char* name, const auto& l, const BwdArgs& args) {
-      const auto held = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true, false, true);
       if (l.plan.parts < 2 || l.kernel != held) return;
       auto lu = l;
       lu.kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true);
@@ -396,7 +396,6 @@ int main(int argc, char** argv) {
         // does not hold (two blocks an SM fit with its accumulators in shared
         // memory), held anyway (name+H): as many blocks an SM as its 255
         // registers a thread leave room for.
-        const auto held = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, true, true, false, true);
         if (std::getenv("HOLD") && q.parts > 1 && lq.kernel != held &&
             q.threads() <= kMaxSliceThreads) {
           auto lh = lq;

@@ -1515,6 +1515,13 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   return l;
 }
 
+// Whether a split's resident blocks cover 7/8 of the SMs, the most LayerNorm's
+// split planning gives up for bigger or held blocks (fewer_parts,
+// full_held_split).
+inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
+  return 8 * int64_t(blocks) >= 7 * int64_t(dev.sms);
+}
+
 // Sets q to LayerNorm's split in slices of at most kMaxSliceThreads threads at
 // kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
 // says whether to take it: where DRAM is slow, the slices nearly full and
@@ -1540,7 +1547,7 @@ bool full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const 
   }
   const auto l = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev);
   return l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true) &&
-         8 * int64_t(l.grid) >= 7 * int64_t(dev.sms);
+         covers_most_sms(l.grid, dev);
 }
 
 // LayerNorm's cluster split (two accumulators): the fewest blocks a row of up
@@ -1570,7 +1577,7 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
       continue;
     }
     const int blocks = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev).grid;
-    if (8 * int64_t(blocks) >= 7 * int64_t(dev.sms)) return q;
+    if (covers_most_sms(blocks, dev)) return q;
   }
   return p;
 }
