@@ -335,7 +335,10 @@ PLAN_CASES = [
     # vectors a thread (6, 4 and 3 rows a block, the last block's group
     # partial; RMSNorm's 256 split in 2 instead). RMSNorm's backward of rows
     # of 3585-4096 vectors in clusters of 8 blocks at 2 vectors a thread, not
-    # 4 at 4 (540x32768 above; 3751 vectors: slices of 469, the last 468).
+    # 4 at 4 (3751 vectors: slices of 469, the last 468); of nearly whole
+    # slices of 1024 vectors, at most 40 rows a cluster, held in such slices
+    # (rms_held_split: 540x32768, 530x24576 and 530x65536 above; 150x65536,
+    # 140x65528 and 130x24568 below, the last slices 1023 vectors).
     # The forward of rows of 6145-8192 vectors in clusters of 8 blocks, not
     # 4 (3x65536 and 530x65536 above; 7501 vectors: slices of 938, the last
     # 935, over and under 132 rows; 40x49160 and 140x49160 above, 6145

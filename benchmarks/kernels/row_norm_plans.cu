@@ -441,6 +441,7 @@ int main(int argc, char** argv) {
       // block's threads for its slice (s=).
       for (auto [tpr, rpb] : env_pairs("TPR", 1)) {
         RowPlan q = own_plan;
+        q.held = false;  // (HOLD=1 times it held)
         q.tpr = int(tpr);
         q.rows_per_block = q.parts == 1 ? int(rpb) : 1;
         q.groups = (c.rows + q.rows_per_block - 1) / q.rows_per_block;
@@ -466,6 +467,7 @@ int main(int argc, char** argv) {
       // 2 vectors a thread (o8/2: twice the threads, the rest masked).
       for (const auto& item : env_pairs("PARTS", 1)) {
         RowPlan q = own_plan;
+        q.held = false;  // (HOLD=1 times it held)
         q.parts = int(item.first);
         q.rows_per_block = 1;
         q.groups = c.rows;

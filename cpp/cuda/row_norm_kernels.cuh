@@ -95,6 +95,7 @@ struct RowPlan {
   int rows_per_block = 1;
   int parts = 1;        // blocks a row (backward: a cluster), one row a block
   int64_t groups = 0;   // blocks' worth of rows (clusters' with parts > 1)
+  bool held = false;    // backward split: bwd_regs' kHold, planned (rms_held_split)
   int threads() const { return nv ? tpr * rows_per_block : kLongThreads; }
 };
 
@@ -1475,9 +1476,13 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   if (plan.nv == 0) {
     l.kernel = bwd_long<X, G, W, VEC>;
   } else {
-    const bool acc_in_regs = bwd_acc_in_regs<X, G, W, VEC>(plan, hidden, regions, plain);
+    // A planned hold (plan.held) also holds the accumulators in registers.
+    const bool held = plan.held && plain && plan.parts > 1 &&
+                      plan.threads() <= kMaxSliceThreads && may_hold_acc_in_regs<X, G, VEC>();
+    const bool acc_in_regs = held || bwd_acc_in_regs<X, G, W, VEC>(plan, hidden, regions, plain);
     l.kernel = bwd_regs_kernel<X, G, W, VEC>(plain, plan.parts > 1, acc_in_regs,
-                                             split_loads_in_bulk(plan, hidden / VEC, regions, dev));
+                                             split_loads_in_bulk(plan, hidden / VEC, regions, dev),
+                                             held);
     // Kernels that hold the scale in registers stage nothing (staged ==
     // unstaged). Otherwise a staged scale saves the loads at its use, but not
     // at the cost of a second block on the SM (v14).
@@ -1522,32 +1527,35 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
   return 8 * int64_t(blocks) >= 7 * int64_t(dev.sms);
 }
 
-// Sets q to LayerNorm's split in slices of at most kMaxSliceThreads threads at
+// Sets q to a split in slices of at most kMaxSliceThreads threads at
 // kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
-// says whether to take it: where DRAM is slow, the slices nearly full and
-// their clusters on 7/8 of the SMs.
+// returns the clusters its launch runs where DRAM is slow, the slices nearly
+// full and those clusters on 7/8 of the SMs; else 0. RMSNorm's (regions 1)
+// is planned held (RowPlan::held): its one accumulator in shared memory
+// leaves room for two unheld blocks an SM, so plan_bwd would not hold it.
 // A held block spends about the same on its slice of a row at any width up
 // to that (2.1-2.3 us on H100s), so full slices move the most bytes an SM.
 // On H100s (bf16, computing the statistics, benchmarks/NOTES.md v70), against
-// fewer_parts' bigger blocks, not held: 2048x24576 in 3 blocks of 256 threads
-// 130.8-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4 of 256
-// 152.0-152.4 -> 144.4-144.8 (not 3 of 352). Slices 83% full lost
+// LayerNorm's bigger blocks (fewer_parts), not held: 2048x24576 in 3 blocks of
+// 256 threads 130.8-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4
+// of 256 152.0-152.4 -> 144.4-144.8 (not 3 of 352). Slices 83% full lost
 // (2048x20480 in 3 of 224: 104.6 -> 111.7), and so did clusters on 102 SMs
 // (1024x49152 in 6 of 256: 128 -> 131). Not timed where DRAM is fast.
 template <typename X, typename G, typename W, int VEC>
-bool full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const DeviceInfo& dev) {
+int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const DeviceInfo& dev) {
   constexpr int64_t kFull = int64_t(kMaxSliceThreads) * kMaxBwdNv;
   const int64_t nvec = hidden / VEC;
   const int64_t parts = (nvec + kFull - 1) / kFull, span = (nvec + parts - 1) / parts;
   q.parts = int(parts);
   q.tpr = threads_per_row(span, kMaxBwdNv);
+  q.held = regions == 1;
   if (!dram_is_slow(dev) || parts < 2 || parts > kMaxClusterParts || 16 * span < 15 * kFull ||
       !split_fits_slots(q.parts, q.tpr)) {
-    return false;
+    return 0;
   }
   const auto l = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev);
-  return l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true) &&
-         covers_most_sms(l.grid, dev);
+  const bool held = l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true);
+  return held && covers_most_sms(l.grid, dev) ? l.grid / q.parts : 0;
 }
 
 // LayerNorm's cluster split (two accumulators): the fewest blocks a row of up
@@ -1566,7 +1574,7 @@ template <typename X, typename G, typename W, int VEC>
 RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
                     const DeviceInfo& dev) {
   if (regions < 2) return p;
-  if (RowPlan q = p; full_held_split<X, G, W, VEC>(q, hidden, regions, plain, dev)) return q;
+  if (RowPlan q = p; full_held_split<X, G, W, VEC>(q, hidden, regions, plain, dev) > 0) return q;
   const int64_t nvec = hidden / VEC;
   for (int parts = 2; parts < p.parts; ++parts) {
     RowPlan q = p;
@@ -1681,18 +1689,41 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
   return q.tpr == kMaxSliceThreads ? q : p;
 }
 
-// Where DRAM is slow, a plan of one block an SM with its accumulators in
-// registers (dy as wide as x) takes one of the two below, if either serves;
-// a plain cluster split of 16-bit rows that computes its statistics,
-// split_at_two_vectors (given them it ran 2% slower: 2048x32768 160.5 ->
-// 163.3 us). Each measured for 16-bit x only.
+// RMSNorm's split in full held slices (full_held_split) where each of its
+// clusters takes at most kHeldRowsPerCluster rows. Held, one block an SM
+// takes a cluster's rows in fewer rounds, and its launch starts and ends
+// sooner, than the unheld splits' two blocks an SM; over more rows their
+// steadier rate wins. On an H100 (bf16, computing the statistics,
+// benchmarks/NOTES.md v71; us, against split_at_two_vectors or the bulk
+// copies), by rows a cluster: 17-34 5-15% faster (256x65536 46.2-49.5 ->
+// 41.9-42.1, 512x65536 78.7-79.5 -> 75.0-75.2, 768x32768 61.7-62.1 ->
+// 58.5-58.7, 1024x32768 79.8-80.0 -> 75.7-75.8, 1024x24576 63.6 -> 59.0);
+// 39-53 2-5% faster at 24576 and 65536 wide, 1% slower at 1280x32768 (97.3-97.6
+// -> 98.2-99.0); 60-137 2-4% slower.
+constexpr int kHeldRowsPerCluster = 40;
+
+template <typename X, typename G, typename W, int VEC>
+RowPlan rms_held_split(const RowPlan& p, int64_t rows, int64_t hidden, bool plain,
+                       const DeviceInfo& dev) {
+  RowPlan q = p;
+  const int clusters = full_held_split<X, G, W, VEC>(q, hidden, 1, plain, dev);
+  return clusters > 0 && rows <= int64_t(kHeldRowsPerCluster) * clusters ? q : p;
+}
+
+// Where DRAM is slow (dy as wide as x): a plain cluster split of 16-bit rows
+// that computes its statistics takes RMSNorm's held split (rms_held_split)
+// where that serves, else split_at_two_vectors (given the statistics it ran
+// 2% slower: 2048x32768 160.5 -> 163.3 us); a plan of one block an SM with
+// its accumulators in registers takes one of the two below, if either
+// serves. Each measured for 16-bit x only.
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
                                 bool plain, bool own_stats, const DeviceInfo& dev) {
   if (!dram_is_slow(dev) || sizeof(G) != sizeof(X)) return p;
   if (p.parts > 1) {
-    const bool serves = plain && own_stats && sizeof(X) == 2;
-    return serves ? split_at_two_vectors<VEC>(p, hidden, regions) : p;
+    if (!plain || !own_stats || sizeof(X) != 2) return p;
+    const RowPlan q = regions == 1 ? rms_held_split<X, G, W, VEC>(p, rows, hidden, plain, dev) : p;
+    return q.held ? q : split_at_two_vectors<VEC>(p, hidden, regions);
   }
   if (!bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) return p;
   const RowPlan q = split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
