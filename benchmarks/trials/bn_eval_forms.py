@@ -5,7 +5,9 @@ running statistics, as the benchmark's batch_norm_eval rows).
     python benchmarks/trials/bn_eval_forms.py
 
 Evaluation is all jax.numpy so that XLA fuses it with what surrounds it; the
-per-channel rsqrt then becomes a kernel of its own (~1.3 µs).
+per-channel rsqrt then becomes a kernel of its own (~1.3 µs). The last two
+forms: the rsqrt in cheap ops, and jaxnorm's channel kernels given the
+statistics (alone, and followed by a residual add and ReLU).
 """
 
 from __future__ import annotations
@@ -55,7 +57,33 @@ def rsqrt_of_x_shaped(x, w, b, m, v):
     return ((xf - m) * lax.rsqrt(v + EPS + 0 * xf) * w + b).astype(x.dtype)
 
 
-FORMS = [per_channel_rsqrt, folded, divide_by_sqrt, rsqrt_per_element, rsqrt_of_x_shaped]
+def rsqrt_in_cheap_ops(x, w, b, m, v):
+    """The rsqrt as a bit-level first guess and three Newton steps (integer
+    and multiply-add ops only, which XLA might repeat in the elementwise
+    pass rather than give a kernel of their own)."""
+    vb = jnp.broadcast_to(v + EPS, x.shape)
+    bits = lax.bitcast_convert_type(vb, jnp.int32)
+    r = lax.bitcast_convert_type(jnp.int32(0x5F375A86) - (bits >> 1), jnp.float32)
+    for _ in range(3):
+        r = r * (1.5 - 0.5 * vb * r * r)
+    return ((x.astype(jnp.float32) - m) * r * w + b).astype(x.dtype)
+
+
+def channel_kernel(x, w, b, m, v):
+    """jaxnorm's channel-norm kernels given the statistics (GroupNorm's path,
+    a group a channel), not XLA."""
+    from jaxnorm import channel_norm
+
+    return channel_norm._normalize("group_norm", x, w, b, lead_ndim=0, channel_axis=-1,
+                                   group_size=1, epsilon=EPS, activation=None, dtype=None,
+                                   axis_name=None, stats=(m, v))[0]
+
+
+FORMS = [per_channel_rsqrt, folded, divide_by_sqrt, rsqrt_per_element, rsqrt_of_x_shaped,
+         rsqrt_in_cheap_ops, channel_kernel]
+# Forms timed again followed by a residual add and a ReLU (a ResNet block's
+# next ops), which XLA fuses into its elementwise pass but not into a kernel.
+THEN_RESIDUAL_RELU = [per_channel_rsqrt, channel_kernel]
 
 
 def main():
@@ -79,6 +107,12 @@ def main():
             print(f"{'x'.join(map(str, shape))} {form.__name__:20s} {total:6.1f} µs "
                   f"{gbps:6.0f} GB/s  max diff {err:.1e}  [{kernel_summary(times)}]",
                   flush=True)
+        r = jax.random.normal(jax.random.fold_in(k[0], 1), shape, jnp.float32).astype(jnp.bfloat16)
+        for form in THEN_RESIDUAL_RELU:
+            fn = jax.jit(lambda x, r, *p, form=form: jax.nn.relu(form(x, *p) + r))
+            times = kernel_times(fn, x, r, w, b, m, v, iters=50)
+            print(f"{'x'.join(map(str, shape))} {form.__name__ + '+res+relu':20s} "
+                  f"{sum(times.values()):6.1f} µs  [{kernel_summary(times)}]", flush=True)
 
 
 if __name__ == "__main__":
