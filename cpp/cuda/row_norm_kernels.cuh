@@ -1530,9 +1530,10 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
 // Sets q to a split in slices of at most kMaxSliceThreads threads at
 // kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
 // returns the clusters its launch runs where DRAM is slow, the slices nearly
-// full and those clusters on 7/8 of the SMs; else 0. RMSNorm's (regions 1)
-// is planned held (RowPlan::held): its one accumulator in shared memory
-// leaves room for two unheld blocks an SM, so plan_bwd would not hold it.
+// full and those clusters on 7/8 of the SMs; else 0. A split with one
+// accumulator (regions 1: RMSNorm's, or LayerNorm's with one parameter) is
+// planned held (RowPlan::held): that accumulator in shared memory leaves
+// room for two unheld blocks an SM, so plan_bwd would not hold it.
 // A held block spends about the same on its slice of a row at any width up
 // to that (2.1-2.3 us on H100s), so full slices move the most bytes an SM.
 // On H100s (bf16, computing the statistics, benchmarks/NOTES.md v70), against
@@ -1689,8 +1690,9 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
   return q.tpr == kMaxSliceThreads ? q : p;
 }
 
-// RMSNorm's split in full held slices (full_held_split) where each of its
-// clusters takes at most kHeldRowsPerCluster rows. Held, one block an SM
+// RMSNorm's split (any with one accumulator) in full held slices
+// (full_held_split) where each of its clusters takes at most
+// kHeldRowsPerCluster rows. Held, one block an SM
 // takes a cluster's rows in fewer rounds, and its launch starts and ends
 // sooner, than the unheld splits' two blocks an SM; over more rows their
 // steadier rate wins. On an H100 (bf16, computing the statistics,
