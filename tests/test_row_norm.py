@@ -343,8 +343,9 @@ PLAN_CASES = [
     # (511 vectors: slices of 256 and 255; 1025) or 3 (1281 vectors), not one
     # block an SM; 513 vectors keep one block an SM. RMSNorm's of at least 30
     # rows an SM in clusters of blocks of a warp (256, 384 and 512 vectors)
-    # or of 8 blocks (1025 vectors: slices of 129, the last 122; 1281); at
-    # 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
+    # or of 8 blocks (1025 vectors: slices of 129, the last 122; 1281; 1793,
+    # slices of 225, the last 218, and 2048, both one block of 512 threads a
+    # row otherwise); at 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
     # above. Rows of 128, 192 and 256 vectors, at least 100 an SM, at 2
     # vectors a thread (6, 4 and 3 rows a block, the last block's group
     # partial; RMSNorm's 256 split in 2 instead). RMSNorm's backward of rows
@@ -369,6 +370,8 @@ PLAN_CASES = [
         ((3968, 3072), jnp.bfloat16, jnp.float32),
         ((3968, 4096), jnp.bfloat16, jnp.bfloat16),
         ((3968, 8200), jnp.bfloat16, jnp.bfloat16),
+        ((3968, 14344), jnp.bfloat16, jnp.float32),
+        ((3968, 16384), jnp.bfloat16, jnp.bfloat16),
         ((13203, 1024), jnp.bfloat16, jnp.bfloat16),
         ((13203, 1536), jnp.float16, jnp.float32),
         ((13203, 2048), jnp.bfloat16, jnp.float32),

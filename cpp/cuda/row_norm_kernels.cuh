@@ -1591,10 +1591,19 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
   return p;
 }
 
+// Whether a plan of the backward runs one block an SM: its accumulators in
+// registers (bwd_acc_in_regs), or RMSNorm's 16-bit rows of 1537-2048
+// vectors, a block of more threads than those allow (512 at 2048).
+template <typename X, typename G, typename W, int VEC>
+bool one_block_an_sm(const RowPlan& p, int64_t hidden, int regions, bool plain) {
+  return bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain) ||
+         (sizeof(X) == 2 && regions == 1 && plain && p.threads() > kAccRegsThreads);
+}
+
 // Blocks a row of the split below, or 1: where DRAM is slow, a backward
-// that would take one block an SM, its accumulators in registers, runs over
-// a cluster of blocks a row instead (bf16, computing the statistics, on
-// H100s; benchmarks/NOTES.md):
+// that would take one block an SM (one_block_an_sm) runs over a cluster of
+// blocks a row instead (bf16, computing the statistics, on H100s;
+// benchmarks/NOTES.md):
 // - LayerNorm (v52), with at least 24 rows an SM: slices of at most 640
 //   vectors, at least two. 16384x4096 165 -> 153-157 us, 8192x10240 202 ->
 //   187-189, 4096x12288 131 -> 117-120, 8192x12288 246-248 -> 223-230; given
@@ -1606,8 +1615,11 @@ RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
 //   16384x3072 119.3 -> 110.5, 16384x4096 159.4-159.9 -> 143.9-144.1, 8192x4096
 //   82.9 -> 76.7; 4096x4096 43.0 / 43.4 and 2048x4096 24.3 / 26.7, hence
 //   the rows an SM); slices not of 128 vectors lost (16384x4096 in 5 or 6
-//   blocks 176-182). Rows of 1025-1536 vectors in 8 blocks: 8192x10240 201.8
-//   -> 187.6, 8192x12288 238.1 -> 232.5, 4096x12288 123.1 -> 120.7.
+//   blocks 176-182). Rows of 1025-2048 vectors in 8 blocks: 8192x10240 201.8
+//   -> 187.6, 8192x12288 238.1 -> 232.5, 4096x12288 123.1 -> 120.7; v72
+//   (a block of 512 threads a row before): 4096x16384 160.8-160.9 ->
+//   143.6-144.1, 8192x16384 308.3-309.0 -> 277.9-278.7 (4 blocks: 152.5,
+//   291.2-291.7).
 constexpr int kSplitMinRowsPerSm = 24, kRmsSplitMinRowsPerSm = 30;
 constexpr int64_t kSplitSliceVecs = 640;
 constexpr int64_t kWarpSliceVecs = 32 * kMaxBwdNv;  // a slice one warp holds
@@ -1626,7 +1638,7 @@ inline int split_parts_where_dram_is_slow(int64_t rows, int64_t nvec, int region
   if (nvec % kWarpSliceVecs == 0 && nvec >= 2 * kWarpSliceVecs && nvec <= 4 * kWarpSliceVecs) {
     return int(nvec / kWarpSliceVecs);
   }
-  return nvec > 1024 && nvec <= 1536 ? 8 : 1;
+  return nvec > 1024 && nvec <= 2048 ? 8 : 1;
 }
 
 template <typename X, typename G, typename W, int VEC>
@@ -1715,9 +1727,9 @@ RowPlan rms_held_split(const RowPlan& p, int64_t rows, int64_t hidden, bool plai
 // Where DRAM is slow (dy as wide as x): a plain cluster split of 16-bit rows
 // that computes its statistics takes RMSNorm's held split (rms_held_split)
 // where that serves, else split_at_two_vectors (given the statistics it ran
-// 2% slower: 2048x32768 160.5 -> 163.3 us); a plan of one block an SM with
-// its accumulators in registers takes one of the two below, if either
-// serves. Each measured for 16-bit x only.
+// 2% slower: 2048x32768 160.5 -> 163.3 us); a plan of one block an SM
+// (one_block_an_sm) takes one of the two below, if either serves. Each
+// measured for 16-bit x only.
 template <typename X, typename G, typename W, int VEC>
 RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
                                 bool plain, bool own_stats, const DeviceInfo& dev) {
@@ -1727,7 +1739,7 @@ RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, 
     const RowPlan q = regions == 1 ? rms_held_split<X, G, W, VEC>(p, rows, hidden, plain, dev) : p;
     return q.held ? q : split_at_two_vectors<VEC>(p, hidden, regions);
   }
-  if (!bwd_acc_in_regs<X, G, W, VEC>(p, hidden, regions, plain)) return p;
+  if (!one_block_an_sm<X, G, W, VEC>(p, hidden, regions, plain)) return p;
   const RowPlan q = split_where_dram_is_slow<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
   return q.parts > 1 ? q : two_vectors_a_thread<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
 }
