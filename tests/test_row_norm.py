@@ -345,8 +345,8 @@ PLAN_CASES = [
     # rows an SM in clusters of blocks of a warp (256, 384 and 512 vectors)
     # or of 8 blocks (1025 vectors: slices of 129, the last 122; 1281; 1793,
     # slices of 225, the last 218, and 2048, both one block of 512 threads a
-    # row otherwise); at 3200 rows, not. The warp roles' two stages at 7176 and 8192 wide are
-    # above. Rows of 128, 192 and 256 vectors, at least 100 an SM, at 2
+    # row otherwise); at 3200 rows, not. The warp roles' two stages at 7176
+    # and 8192 wide are above. Rows of 128, 192 and 256 vectors, at least 100 an SM, at 2
     # vectors a thread (6, 4 and 3 rows a block, the last block's group
     # partial; RMSNorm's 256 split in 2 instead). RMSNorm's backward of rows
     # of 3585-4096 vectors in clusters of 8 blocks at 2 vectors a thread, not

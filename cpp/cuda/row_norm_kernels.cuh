@@ -95,7 +95,7 @@ struct RowPlan {
   int rows_per_block = 1;
   int parts = 1;        // blocks a row (backward: a cluster), one row a block
   int64_t groups = 0;   // blocks' worth of rows (clusters' with parts > 1)
-  bool held = false;    // backward split: bwd_regs' kHold, planned (rms_held_split)
+  bool held = false;    // backward split: bwd_regs' kHold, planned (full_held_split)
   int threads() const { return nv ? tpr * rows_per_block : kLongThreads; }
 };
 
