@@ -11,10 +11,13 @@ BatchNorm one a channel.
 
     y = act((x - mean) * rsqrt(var + epsilon) * scale + bias),  act: none or SiLU
 
-The forward returns the statistics (mean, variance); the backward reads x
-and them (and scale and bias, to recompute SiLU's input). Given statistics
-(BatchNorm's running averages, in evaluation), the forward only normalizes,
-and the backward takes them as constants.
+The forward returns the statistics (mean, variance), from a launch of its
+own, and y from a second one (XLA drops it where y is dead, as under
+jax.grad). The backward reads x and the statistics (and scale and bias, to
+recompute the activation's input); without an activation GroupNorm and
+InstanceNorm save none, and the backward computes them in its pass over x
+and dy. Given statistics (BatchNorm's running averages, in evaluation), the
+forward only normalizes, and the backward takes them as constants.
 
 Split over devices, the reduced dims (A and B) combine per-device statistics
 with one all-gather of each device's (mean, M2) per group, merged with Chan's
@@ -127,14 +130,19 @@ def _activation_backward(dy, z, activation):
     return dy
 
 
+def _group_moments(x, group_size):
+    """Each (sample, group)'s mean and biased variance of x (N, A, C, B)."""
+    xg = _groups(x, group_size)
+    mean = jnp.mean(xg, axis=(1, 3, 4))
+    return mean, jnp.mean(jnp.square(xg - mean[:, None, :, None, None]), axis=(1, 3, 4))
+
+
 def _fwd_kernel_reference(x, scale, bias, mean, var, *, group_size, epsilon, activation,
                           out_dtype, write_output):
     given = not _is_placeholder(mean)
     stats = stats_dtype(x.dtype)
     if not given:
-        xg = _groups(x, group_size)
-        mean = jnp.mean(xg, axis=(1, 3, 4))
-        var = jnp.mean(jnp.square(xg - mean[:, None, :, None, None]), axis=(1, 3, 4))
+        mean, var = _group_moments(x, group_size)
     out_stats = (empty(stats), empty(stats)) if given else (mean, var)
     if not write_output:
         return (empty(out_dtype), *out_stats)
@@ -194,8 +202,11 @@ def _bwd_kernel_reference(x, scale, bias, mean, var, dy, means, *, group_size, e
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) over each group,
     g = dy' * scale; mode "full" computes the means, "sums" returns their sums
     (no dx), "terms" dx's per-channel terms (no dx: _dx_terms), "dx" takes
-    the means."""
+    the means. Mode "full" without an activation may take no statistics
+    (placeholders) and compute them."""
     n, a, c, b = x.shape
+    if _is_placeholder(mean):
+        mean, var = _group_moments(x, group_size)
     xhat, d = _grad_terms(x, scale, bias, mean, var, dy, group_size, epsilon, activation)
     g = d * scale.astype(d.dtype)[None, None, :, None] if scale.size else d
 
@@ -277,16 +288,29 @@ def _per_group_stats(stat, n, group_size):
     return stat[:, ::group_size] if group_size > 1 else stat
 
 
+def _local_stats(run, x4, scale, bias, axes, group_size):
+    """The (N, G) mean and variance of x4 (N, A, C, B) from the statistics
+    launch `run`, merged across the devices that split the reduced dims."""
+    _, a, _, b = x4.shape
+    none = empty(stats_dtype(x4.dtype))
+    _, m, v = run(x4, scale, bias, none, none, write_output=False)
+    if axes.hidden:
+        count = a * group_size * b
+        total, m, m2 = merge_moments(count, m, v * count, axes.hidden, invariant=axes.manual)
+        v = m2 / total
+    return m, v
+
+
 def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, group_size,
                xla_elementwise=False, **params):
-    """The forward on one device's block: the kernel computes the statistics
-    and normalizes; with the reduced dims split, it computes this block's
-    statistics, one all-gather merges them, and a second launch normalizes.
-    With `xla_elementwise` the kernel computes the statistics alone and y is
-    jax.numpy, which XLA fuses with what surrounds it (BatchNorm's ReLU and
-    residual add)."""
+    """The forward on one device's block: one launch computes the statistics
+    and a second normalizes with them, so that where y is dead (the forward
+    of jax.grad) XLA drops the second. With the reduced dims split, one
+    all-gather merges the blocks' statistics between the two. With
+    `xla_elementwise` y is jax.numpy, which XLA fuses with what surrounds it
+    (BatchNorm's ReLU and residual add)."""
     x4 = view(x, lead_ndim, axis)
-    n, a, _, b = x4.shape
+    n = x4.shape[0]
     run = functools.partial(kernel, group_size=group_size, **params)
     normalize = functools.partial(_fwd_kernel_reference, group_size=group_size,
                                   **params) if xla_elementwise else run
@@ -295,34 +319,35 @@ def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, grou
         y, _, _ = normalize(x4, scale, bias, _per_group_stats(mean, n, group_size),
                             _per_group_stats(var, n, group_size), write_output=True)
         return y.reshape(x.shape), empty(stats), empty(stats)
-    none = empty(stats)
-    if axes.hidden:
-        _, m, v = run(x4, scale, bias, none, none, write_output=False)
-        count = a * group_size * b
-        total, m, m2 = merge_moments(count, m, v * count, axes.hidden, invariant=axes.manual)
-        v = m2 / total
-        y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
-    elif xla_elementwise:
-        _, m, v = run(x4, scale, bias, none, none, write_output=False)
-        y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
-    else:
-        y, m, v = run(x4, scale, bias, none, none, write_output=True)
+    m, v = _local_stats(run, x4, scale, bias, axes, group_size)
+    y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
     return (y.reshape(x.shape), _per_channel_stats(m, x, lead_ndim, group_size),
             _per_channel_stats(v, x, lead_ndim, group_size))
 
 
-def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, group_size,
-               epsilon, activation, frozen, param_dtype, xla_elementwise=False):
+def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, stats_kernel, lead_ndim, axis,
+               group_size, epsilon, activation, frozen, param_dtype, xla_elementwise=False):
     """The backward on one device's block. With the reduced dims split, a
     first launch returns this block's per-group sums, one all-reduce adds them
     up (with the parameter gradients) and a second launch writes dx. Frozen
     (given) statistics have no gradient: the group means are zero. With
     `xla_elementwise` dx is jax.numpy: from the kernel's per-channel terms
-    (mode "terms"), or, with the reduced dims split, from the summed sums."""
+    (mode "terms"), or, with the reduced dims split, from the summed sums.
+    Without statistics saved (placeholders: _saves_no_stats) the "full" launch
+    computes them; with the reduced dims split, `stats_kernel` (the forward's)
+    does, with their merge."""
     x4, dy4 = view(x, lead_ndim, axis), view(dy, lead_ndim, axis)
     n, a, c, b = x4.shape
     groups = c // group_size
-    m2, v2 = _per_group_stats(mean, n, group_size), _per_group_stats(var, n, group_size)
+    stats = stats_dtype(x.dtype)
+    if not _is_placeholder(mean):
+        m2, v2 = _per_group_stats(mean, n, group_size), _per_group_stats(var, n, group_size)
+    elif axes.hidden or frozen or xla_elementwise or activation:
+        run_stats = functools.partial(stats_kernel, group_size=group_size, epsilon=epsilon,
+                                      activation=activation, out_dtype=x.dtype)
+        m2, v2 = _local_stats(run_stats, x4, scale, bias, axes, group_size)
+    else:
+        m2 = v2 = empty(stats)
     # Partial sums travel in float32 (float64 for float64 parameters).
     param_axes = axes.param_axes()
     wide = jnp.promote_types(param_dtype, jnp.float32) if param_axes else param_dtype
@@ -332,7 +357,6 @@ def _bwd_local(x, scale, bias, mean, var, dy, *, axes, kernel, lead_ndim, axis, 
                   param_dtype=wide)
     run = functools.partial(kernel, *args, **params)
     dx_of = functools.partial(_bwd_kernel_reference, *args, **params) if xla_elementwise else run
-    stats = stats_dtype(x.dtype)
     if frozen and xla_elementwise:
         _, dscale, dbias, _ = run(empty(stats), mode="sums", param_grads=True)
         dx = dx_of(jnp.zeros((n, groups, 2), stats), mode="dx", param_grads=False)[0]
@@ -433,9 +457,10 @@ channel_norm_fwd_p = define_row_primitive(
 )
 
 
-def _bwd_layout(x, scale, bias, *, lead_ndim, axis, group_size, **_):
+def _bwd_layout(x, scale, bias, mean, *, lead_ndim, axis, group_size, **_):
     return _layout(x, lead_ndim, axis, group_size,
-                   ins=("x", _param_or_none(scale), _param_or_none(bias), "stats", "stats", "x"),
+                   ins=("x", _param_or_none(scale), _param_or_none(bias), _stats_or_none(mean),
+                        _stats_or_none(mean), "x"),
                    outs=("x", _param_or_none(scale), _param_or_none(bias)))
 
 
@@ -449,16 +474,18 @@ def _bwd_abstract(x, scale, bias, mean, var, dy, *, axis, param_dtype, **_):
 
 
 def _bwd_lower(x, scale, bias, mean, var, dy, **params):
-    layout = _bwd_layout(x, scale, bias, **params)
+    layout = _bwd_layout(x, scale, bias, mean, **params)
     return _lower(_bwd_on_device, layout, (x, scale, bias, mean, var, dy), params)
 
 
-_bwd_on_device = functools.partial(_bwd_local, kernel=channel_norm_bwd_kernel_p.bind)
+_bwd_on_device = functools.partial(_bwd_local, kernel=channel_norm_bwd_kernel_p.bind,
+                                   stats_kernel=channel_norm_fwd_kernel_p.bind)
 
 channel_norm_bwd_p = define_row_primitive(
     "channel_norm_bwd",
     abstract_eval=_bwd_abstract,
-    reference=functools.partial(_bwd_local, axes=UNSHARDED, kernel=_bwd_kernel_reference),
+    reference=functools.partial(_bwd_local, axes=UNSHARDED, kernel=_bwd_kernel_reference,
+                                stats_kernel=_fwd_kernel_reference),
     lower=_bwd_lower,
     unsplit=functools.partial(_bwd_on_device, axes=UNSHARDED),
     row_args=(True, False, False, True, True, True),
@@ -503,9 +530,22 @@ def _channel_norm(x, scale, bias, mean, var, cfg: _Config):
     return tuple(_forward(x, scale, bias, mean, var, cfg))
 
 
+def _saves_no_stats(cfg: _Config) -> bool:
+    """Whether the backward computes the statistics itself: without an
+    activation (dy' = dy) the kernel takes them from the pass over x and dy
+    its sums make anyway. Nothing is saved then, and under jax.grad, where y
+    is dead, the forward has nothing left to do (XLA drops both its
+    launches). BatchNorm's (whose statistics the running averages use),
+    given statistics and shard_map's split dims keep the forward's."""
+    return not (cfg.given or cfg.activation or cfg.xla_elementwise or cfg.axis_name)
+
+
 def _channel_norm_fwd(x, scale, bias, mean, var, cfg):
     y, m, v = _forward(x, scale, bias, mean, var, cfg)
-    stats = (mean, var) if cfg.given else (m, v)
+    if _saves_no_stats(cfg):
+        stats = (empty(m.dtype), empty(v.dtype))
+    else:
+        stats = (mean, var) if cfg.given else (m, v)
     return (y, m, v), (x, scale, bias, *stats)
 
 
@@ -517,7 +557,8 @@ def _channel_norm_bwd(cfg, res, cotangents):
     if cfg.axis_name:
         dx, dscale, dbias = _bwd_local(x, scale, bias, mean, var, cotangents[0],
                                        axes=manual_axes(cfg.axis_name),
-                                       kernel=channel_norm_bwd_kernel_p.bind, **params)
+                                       kernel=channel_norm_bwd_kernel_p.bind,
+                                       stats_kernel=channel_norm_fwd_kernel_p.bind, **params)
     else:
         dx, dscale, dbias = channel_norm_bwd_p.bind(x, scale, bias, mean, var, cotangents[0],
                                                     **params)

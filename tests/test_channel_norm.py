@@ -588,6 +588,8 @@ def _ffi(target, outs, *args, **attrs):
         ("bwd_terms", r"sums_out has shape \(2, 7, 3\), expected \(2, 8, 3\)"),
         ("activation", r"activation must be 0 \(none\), 1 \(SiLU\) or 2 \(ReLU\), got 3"),
         ("bwd_activation", "activation must be .* got -1"),
+        ("bwd_mean_without_var", "takes mean and var, or neither"),
+        ("bwd_no_stats_with_silu", "computes its statistics .* only without an activation"),
     ],
 )
 def test_channel_handlers_reject_inconsistent_buffers(case, match):
@@ -612,6 +614,8 @@ def test_channel_handlers_reject_inconsistent_buffers(case, match):
         "bwd_terms": dict(dx=sd((0,), f32), sums_out=sd((2, 7, 3), f32)),
         "activation": dict(activation=np.int32(3)),
         "bwd_activation": dict(activation=np.int32(-1)),
+        "bwd_mean_without_var": dict(mean=e),
+        "bwd_no_stats_with_silu": dict(mean=e, var=e, activation=np.int32(1)),
     }[case]
     bwd = case.startswith("bwd")
     args, outs = (bwd_args, bwd_outs) if bwd else (fwd_args, fwd_outs)
@@ -652,6 +656,12 @@ def test_reference_lowering_matches_the_kernels(activation):
                                           param_dtype=jnp.float64))(
             x, scale, bias, mean, var, dy, m) for f in bwd_impls]
         _close_all(*outs)
+        if mode == "full" and activation == 0:  # computing the statistics instead
+            own = [jax.jit(functools.partial(f, **common, mode=mode, param_grads=param_grads,
+                                             param_dtype=jnp.float64))(
+                x, scale, bias, e, e, dy, m) for f in bwd_impls]
+            _close_all(*own)
+            _close_all(own[0], outs[0])
 
 
 def _close_all(got, want):
@@ -663,7 +673,8 @@ def _close_all(got, want):
 def test_batch_norm_leaves_the_elementwise_work_to_xla():
     """BatchNorm's kernels compute the statistics and the backward's sums
     alone (their y and dx results are empty), so XLA fuses the normalize and
-    dx with the ops around them; GroupNorm's kernels write y and dx."""
+    dx with the ops around them; GroupNorm's kernels write y (a launch of its
+    own after the statistics') and dx."""
     x = rand(70, (4, 3, 3, 8), jnp.float32)
     scale, bias = params(71, 8, jnp.float32)
 
@@ -677,4 +688,53 @@ def test_batch_norm_leaves_the_elementwise_work_to_xla():
                                               training=True)[0])
     gn = results(lambda x: jaxnorm.group_norm(x, 2, scale, bias))
     assert len(bn) == 2 and all("tensor<0xf32>" in r.split(",")[0] for r in bn), bn
-    assert len(gn) == 2 and all("tensor<4x9x8x1xf32>" in r.split(",")[0] for r in gn), gn
+    assert len(gn) == 3 and "tensor<0xf32>" in gn[0].split(",")[0], gn
+    assert all("tensor<4x9x8x1xf32>" in r.split(",")[0] for r in gn[1:]), gn
+
+
+def _compiled_calls(compiled_hlo, name):
+    """The compiled program's custom calls to jaxnorm's `name`, split into
+    (results, operands)."""
+    return [tuple(ln.split("custom-call(", 1)) for ln in compiled_hlo.splitlines()
+            if "custom-call(" in ln and f'custom_call_target="jaxnorm_{name}"' in ln]
+
+
+@pytest.mark.skipif(lowering_platform() not in jaxnorm.kernel_platforms(), reason="no kernels here")
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_group_norm_gradients_of_a_dead_y(activation):
+    """Forward and backward in one jit with y dead (jax.grad's forward): the
+    launch that writes y is dropped; without an activation the backward
+    computes the statistics itself, so no forward is left at all. With y
+    used, both forward launches run. The gradients agree."""
+    x = rand(72, (2, 4, 4, 8), jnp.float32)
+    scale, bias = params(73, 8, jnp.float32)
+
+    def norm(x, scale, bias):
+        return jaxnorm.group_norm(x, 2, scale, bias, activation=activation)
+
+    def grads_only(x, scale, bias, dy):
+        return jax.vjp(norm, x, scale, bias)[1](dy)
+
+    def with_value(x, scale, bias, dy):
+        y, pullback = jax.vjp(norm, x, scale, bias)
+        return y, pullback(dy)
+
+    args = (x, scale, bias, rand(74, x.shape, jnp.float32))
+    y_shape, stats_shape = "f32[2,16,8,1]", "f32[2,2]"  # the kernels' (N, A, C, B), (N, G)
+    hlo = jax.jit(grads_only).lower(*args).compile().as_text()
+    fwd, (bwd,) = _compiled_calls(hlo, "channel_norm_fwd"), _compiled_calls(hlo, "channel_norm_bwd")
+    if activation is None:
+        assert not fwd and stats_shape not in bwd[1], (fwd, bwd)
+    else:
+        assert len(fwd) == 1 and y_shape not in fwd[0][0] and stats_shape in bwd[1], (fwd, bwd)
+    hlo = jax.jit(with_value).lower(*args).compile().as_text()
+    fwd = _compiled_calls(hlo, "channel_norm_fwd")
+    assert len(fwd) == 2 and sum(y_shape in r for r, _ in fwd) == 1, fwd
+    want = jax.jit(with_value)(*args)[1]
+    for a, b in zip(jax.jit(grads_only)(*args), want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Against float64, the statistics as given or as computed in the backward.
+    x64 = [np.asarray(a, np.float64) for a in args]
+    want64 = jax.vjp(norm, *map(jnp.asarray, x64[:3]))[1](jnp.asarray(x64[3]))
+    for a, w in zip(want, want64):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-5, atol=2e-5)

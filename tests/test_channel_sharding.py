@@ -237,4 +237,6 @@ def test_synchronized_batch_norm_with_uneven_device_batches():
         return jax.jit(jax.grad(lambda x, s, b: jnp.sum(jnp.sin(op(x, s, b, mask)[0])),
                                 argnums=(0, 1, 2)))
 
-    _close(grad(f)(x, scale, bias), grad(bn)(x, scale, bias))
+    # Float32 sums over x - mean with mean ~20 in two orders (per device, then
+    # across; and over all rows at once): dscale differs by ~2e-5 relative.
+    _close(grad(f)(x, scale, bias), grad(bn)(x, scale, bias), rtol=1e-4)

@@ -25,7 +25,10 @@
 // act's input (x - mean) a + bias and dx = a dy' + k_x (x - mean) + k_0) and
 // dscale, dbias, with dx [0], for XLA to write dx; or, given the means
 // (summed across devices; zero for statistics taken as constants), dx, with
-// dscale and dbias or neither, and sums_out [0].
+// dscale and dbias or neither, and sums_out [0]. Without an activation, the
+// first of these (dx, dscale, dbias) may take mean [0] and var [0]: it then
+// computes the statistics itself in the pass over x that its sums make (so
+// the forward of jax.grad, whose y is dead, has nothing left to do).
 //
 // Local response normalization and the channel softmax work along C at each
 // position of x viewed as (M, C, B):
@@ -141,15 +144,19 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
                                          const AnyBuffer& sums_out, int64_t group_size,
                                          double epsilon, int32_t activation,
                                          ChannelNormShape* s, ChannelBwdMode* mode,
-                                         bool* param_grads) {
+                                         bool* param_grads, bool* own_stats) {
   JAXNORM_RETURN_IF_ERROR(check_activation(activation));
   JAXNORM_RETURN_IF_ERROR(check_channel_x(x, group_size, s));
   JAXNORM_RETURN_IF_ERROR(check_channel_params(scale, bias, s));
   const DataType st = stats_dtype(x.element_type());
-  JAXNORM_RETURN_IF_ERROR(expect_dims(mean, "mean", {s->n, s->groups}));
-  JAXNORM_RETURN_IF_ERROR(expect_dtype(mean, "mean", st));
-  JAXNORM_RETURN_IF_ERROR(expect_dims(var, "var", {s->n, s->groups}));
-  JAXNORM_RETURN_IF_ERROR(expect_dtype(var, "var", st));
+  bool has_mean = false, has_var = false;
+  JAXNORM_RETURN_IF_ERROR(expect_optional_dims(mean, "mean", {s->n, s->groups}, st, &has_mean));
+  JAXNORM_RETURN_IF_ERROR(expect_optional_dims(var, "var", {s->n, s->groups}, st, &has_var));
+  const bool no_stats = s->n * s->groups == 0;  // (0, G) and (0,) look alike
+  if (!no_stats && has_mean != has_var) {
+    return ffi::Error::InvalidArgument("jaxnorm: channel_norm_bwd takes mean and var, or neither");
+  }
+  *own_stats = !no_stats && !has_mean;
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->n, s->a, s->c, s->b}));
   // dy: x's dtype, or float32 (the cotangent of a float32 y); the dispatch checks.
   bool has_means = false, has_dx = false, has_sums = false, has_terms = false,
@@ -189,6 +196,11 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
         "terms), dscale and dbias; or, given means, dx (and dscale and dbias, or neither)");
   }
   *param_grads = has_dscale || has_dbias;
+  if (*own_stats && (*mode != ChannelBwdMode::kFull || activation != 0)) {
+    return ffi::Error::InvalidArgument(
+        "jaxnorm: channel_norm_bwd computes its statistics (mean and var empty) only without an "
+        "activation, returning dx, dscale and dbias");
+  }
   return check_epsilon(epsilon);
 }
 

@@ -243,21 +243,30 @@ ffi::Error channel_norm_bwd_impl(AnyBuffer x, AnyBuffer scale, AnyBuffer bias, A
                                  int64_t group_size, double epsilon, int32_t activation) {
   ChannelNormShape s;
   ChannelBwdMode mode;
-  bool param_grads = false;
+  bool param_grads = false, own_stats = false;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_bwd(x, scale, bias, mean, var, dy, means, *dx,
                                                  *dscale, *dbias, *sums_out, group_size,
-                                                 epsilon, activation, &s, &mode, &param_grads));
+                                                 epsilon, activation, &s, &mode, &param_grads,
+                                                 &own_stats));
   return dispatch_row_types(
       x.element_type(), dy.element_type(), channel_param_dtype(x, scale, bias, s),
       [&](auto xt, auto gt, auto wt) {
         using X = native_t<decltype(xt)>;
         using G = native_t<decltype(gt)>;
         using W = native_t<decltype(wt)>;
-        bwd<X, G, W>(s, epsilon, Activation(activation), mode, param_grads,
-                     static_cast<const X*>(x.untyped_data()),
+        using A = acc_t<X>;
+        const X* xp = static_cast<const X*>(x.untyped_data());
+        // Without statistics given, the forward's (group_stats), per sample.
+        std::vector<A> own(own_stats ? 2 * s.n * s.groups : 0);
+        for (int64_t n = 0; n < s.n && own_stats; ++n) {
+          group_stats(s, n, xp, own.data(), own.data() + s.n * s.groups);
+        }
+        bwd<X, G, W>(s, epsilon, Activation(activation), mode, param_grads, xp,
                      static_cast<const W*>(scale.untyped_data()),
-                     static_cast<const W*>(bias.untyped_data()), mean.untyped_data(),
-                     var.untyped_data(), static_cast<const G*>(dy.untyped_data()),
+                     static_cast<const W*>(bias.untyped_data()),
+                     own_stats ? own.data() : mean.untyped_data(),
+                     own_stats ? own.data() + s.n * s.groups : var.untyped_data(),
+                     static_cast<const G*>(dy.untyped_data()),
                      means.untyped_data(), static_cast<X*>(dx->untyped_data()),
                      static_cast<W*>(dscale->untyped_data()),
                      static_cast<W*>(dbias->untyped_data()), sums_out->untyped_data());

@@ -64,26 +64,29 @@ ffi::Error layout_error(const ChannelNormShape& s) {
       std::to_string(s.b));
 }
 
+// The statistics (tile_stats, then group_stats' merge), unless given, and y
+// from them (apply_affine), where asked for.
 template <typename X, typename Y, typename W, int V>
 ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                       const ChannelNormShape& s, double epsilon, Activation act, bool given,
                       bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
                       acc_t<X>* var, Y* y) {
   using A = acc_t<X>;
-  const Tiles t = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
-  A *partial = nullptr, *chan = nullptr, *coef = nullptr;
   if (!given) {
+    const Tiles t =
+        plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
+    A *partial = nullptr, *chan = nullptr;
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
-    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
+    if (s.group_size > 1) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
     tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
+    const int64_t per = groups_per_block(s, dev);
+    group_stats<X><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
+        partial, chan, t, s.group_size, per, mean, var);
   }
-  if (write_y) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &coef));
-  const int64_t per = groups_per_block(s, dev);
-  group_stats<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
-      partial, chan, p, t, s.group_size, per, epsilon, given, mean, var, coef);
   if (write_y) {
-    const Tiles ty = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 0, dev, apply_affine<X, Y, V>);
-    apply_affine<X, Y, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(x, coef, act, ty, y);
+    const Tiles ty = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 0, dev, apply_affine<X, Y, W, V>);
+    apply_affine<X, Y, W, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(
+        x, mean, var, p, s.group_size, epsilon, act, ty, y);
   }
   return last_launch_error("channel_norm_fwd");
 }
@@ -123,35 +126,47 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
   });
 }
 
+// The backward's passes (channel_norm_kernels.cuh): the tiles' sums (with
+// x's moments where it computes its statistics, own_stats), their merge per
+// group (group_sums), dscale/dbias over the samples (param_grads) and dx
+// (apply_dx), as `mode` asks.
 template <typename X, typename G, typename W, int V>
 ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                       const ChannelNormShape& s, double epsilon, Activation act,
-                      ChannelBwdMode mode, bool params_out, const X* x, const G* dy,
-                      ChannelParams<W> p, const acc_t<X>* mean, const acc_t<X>* var,
-                      const acc_t<X>* means, X* dx, W* dscale, W* dbias, acc_t<X>* sums_out) {
+                      ChannelBwdMode mode, bool params_out, bool own_stats, const X* x,
+                      const G* dy, ChannelParams<W> p, const acc_t<X>* mean,
+                      const acc_t<X>* var, const acc_t<X>* means, X* dx, W* dscale, W* dbias,
+                      acc_t<X>* sums_out) {
   using A = acc_t<X>;
-  const Tiles t =
-      plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 2 * sizeof(A), dev,
-                 tile_sums<X, G, W, V>);
+  const int sums = own_stats ? 5 : 2;  // values a tile and channel
+  const Tiles t = own_stats ? plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G),
+                                         sums * sizeof(A), dev, tile_moments_sums<X, G, V>)
+                            : plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G),
+                                         sums * sizeof(A), dev, tile_sums<X, G, W, V>);
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode == ChannelBwdMode::kFull || mode == ChannelBwdMode::kDx;
   const bool terms_out = mode == ChannelBwdMode::kTerms;  // group_sums' coef, returned
-  A *partial = nullptr, *chan = nullptr, *coef = terms_out ? sums_out : nullptr;
+  A *partial = nullptr, *chan = nullptr, *coef = terms_out ? sums_out : nullptr, *own = nullptr;
   if (from_tiles) {
-    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 2, &partial));
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * sums, &partial));
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &chan));
+  }
+  if (own_stats) {  // the channels' merged tiles, for groups of several
+    if (s.group_size > 1) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &own));
+    tile_moments_sums<X, G, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, dy, t, partial);
+  } else if (from_tiles) {
     tile_sums<X, G, W, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
         x, dy, p, mean, var, s.group_size, epsilon, act, t, partial);
   }
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out || terms_out,
-                            terms_out};
+                            terms_out, own_stats};
   const int64_t per = groups_per_block(s, dev);
   const bool grads_here = params_out && s.n == 1;  // group_sums writes them
   group_sums<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
       partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
       s.group_size, per, epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
-      grads_here ? dbias : nullptr);
+      grads_here ? dbias : nullptr, own);
   if (params_out && !grads_here && (dscale || dbias)) {
     param_grads<X, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
                         stream>>>(chan, s.n, s.c, dscale, dbias);
@@ -173,10 +188,11 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
                                  double epsilon, int32_t activation) {
   ChannelNormShape s;
   ChannelBwdMode mode;
-  bool params_out = false;
+  bool params_out = false, own_stats = false;
   JAXNORM_RETURN_IF_ERROR(check_channel_norm_bwd(x, scale, bias, mean, var, dy, means, *dx,
                                                  *dscale, *dbias, *sums_out, group_size,
-                                                 epsilon, activation, &s, &mode, &params_out));
+                                                 epsilon, activation, &s, &mode, &params_out,
+                                                 &own_stats));
   if (s.b != 1) return layout_error(s);
   if (s.size() == 0) return zero_outputs(stream, {&dscale, &dbias, &sums_out});
   const DeviceInfo& dev = device_info(device);
@@ -195,7 +211,7 @@ ffi::Error channel_norm_bwd_impl(cudaStream_t stream, int32_t device,
     const std::initializer_list<const void*> ptrs{x.untyped_data(), dy.untyped_data(), dx_p};
     return with_vec_or_one<X, 16 / sizeof(X)>(s.c, ptrs, [&](auto v) {
       return launch_bwd<X, G, W, decltype(v)::value>(
-          stream, dev, scratch, s, epsilon, Activation(activation), mode, params_out,
+          stream, dev, scratch, s, epsilon, Activation(activation), mode, params_out, own_stats,
           static_cast<const X*>(x.untyped_data()), static_cast<const G*>(dy.untyped_data()), p,
           static_cast<const A*>(mean.untyped_data()), static_cast<const A*>(var.untyped_data()),
           static_cast<const A*>(means.untyped_data()), static_cast<X*>(dx->untyped_data()), ds,

@@ -24,15 +24,18 @@
 // a small pass that merges those per (n, group) (in a fixed order, so the
 // same inputs give the same bits: no atomics), and an elementwise pass:
 //   forward:  tile_stats (count, mean, M2, Welford then Chan), group_stats
-//             (mean_out, var_out and y's per-channel a, b), apply_affine
-//             (y = act(x a + b));
-//   backward: tile_sums (sums of dy' and dy' xhat), group_sums (the per-group
-//             means of g = dy' scale and g xhat, and dx's per-channel terms),
-//             param_grads (dscale, dbias: the sums over n), apply_dx.
+//             (mean_out, var_out), apply_affine (y = act(x a + b), a and b
+//             per channel from the statistics, given or just computed);
+//   backward: tile_sums (sums of dy' and dy' xhat; or tile_moments_sums,
+//             x's moments and dy's sums, where it computes the statistics),
+//             group_sums (the per-group means of g = dy' scale and g xhat,
+//             and dx's per-channel terms), param_grads (dscale, dbias: the
+//             sums over n), apply_dx.
 // dy' is dy through the fused activation's derivative (common/activation.h).
 #pragma once
 
 #include "common/activation.h"
+#include "common/channel_args.h"  // kDxTerms
 #include "cuda/common.cuh"
 
 namespace jaxnorm::cuda {
@@ -192,12 +195,30 @@ __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, 
   count = total;
 }
 
+// Sums of dy and of dy (x - mean) over a's rows, (s0, s1), moved from a's
+// mean `from` to `to`: s1 is about the mean it is kept with. The move is
+// the difference of the two stored means, exact where they are within a
+// factor of two (Sterbenz), so s1 follows the mean as stored.
+template <typename A>
+__device__ __forceinline__ void move_sums(A s0, A& s1, A from, A to) {
+  s1 -= (to - from) * s0;
+}
+
 // What a thread's tree step adds of its partner's K values: Chan's merge
-// (K = 3: count, mean, M2) or sums.
+// (K = 3: count, mean, M2), that and the sums of dy and dy (x - mean) about
+// each side's mean (K = 5: tile_moments_sums), or sums.
 template <int K, typename A>
 __device__ __forceinline__ void combine(A (&a)[K], const A (&b)[K]) {
   if constexpr (K == 3) {
     chan_merge(a[0], a[1], a[2], b[0], b[1], b[2]);
+  } else if constexpr (K == 5) {
+    if (b[0] == A(0)) return;
+    const A mean_a = a[1];
+    chan_merge(a[0], a[1], a[2], b[0], b[1], b[2]);
+    A s1_b = b[4];
+    move_sums(a[3], a[4], mean_a, a[1]);
+    move_sums(b[3], s1_b, b[1], a[1]);
+    a[3] += b[3], a[4] += s1_b;
   } else {
 #pragma unroll
     for (int k = 0; k < K; ++k) a[k] += b[k];
@@ -249,6 +270,35 @@ struct ChannelParams {
   __device__ A b(int64_t c) const { return bias ? A(to_acc(bias[c])) : A(0); }
 };
 
+// What add_batch's merge of a batch of `got` rows (all kR with kFull) into
+// `count` takes, the same for every channel.
+template <typename A>
+struct BatchShare {
+  A w, count_w, inv_g;
+  template <bool kFull, int kR>
+  __device__ __forceinline__ static BatchShare of(A count, int got) {
+    const A g = kFull ? A(kR) : A(got);
+    const A w = g / (count + g);
+    return {w, count * w, A(1) / g};
+  }
+};
+
+// add_batch for channel e: its (mean, M2) m.
+template <bool kFull, int kR, typename Vec, typename A>
+__device__ __forceinline__ void add_batch_channel(A (&m)[2], const BatchShare<A>& b,
+                                                  const Vec (&v)[kR], int e, int got) {
+  A s1 = 0, s2 = 0;
+#pragma unroll
+  for (int u = 0; u < kR; ++u) {
+    const A d = kFull || u < got ? v[u].get(e) - m[0] : A(0);
+    s1 += d;
+    s2 += d * d;
+  }
+  const A delta = s1 * b.inv_g;  // the batch's mean less the running one
+  m[1] += (s2 - s1 * delta) + delta * delta * b.count_w;
+  m[0] += delta * b.w;
+}
+
 // One batch of `got` rows (all kR with kFull) merged into a thread's running
 // (mean, M2) of each channel, `count` rows before it: the sums of d and d^2,
 // d = v - mean its deviation from the running mean (the first row's value
@@ -263,20 +313,31 @@ __device__ __forceinline__ void add_batch(A (&m)[V][2], A count, const Vec (&v)[
 #pragma unroll
     for (int e = 0; e < V; ++e) m[e][0] = v[0].get(e);
   }
-  const A g = kFull ? A(kR) : A(got);
-  const A w = g / (count + g), count_w = count * w, inv_g = A(1) / g;
+  const auto b = BatchShare<A>::template of<kFull, kR>(count, got);
+#pragma unroll
+  for (int e = 0; e < V; ++e) add_batch_channel<kFull, kR>(m[e], b, v, e, got);
+}
+
+// add_batch, with the sums s[e] = (sum dy, sum dy (x - mean)) of the rows
+// so far kept about the running mean as it moves (tile_moments_sums).
+template <bool kFull, int kR, int V, typename Vec, typename DyVec, typename A>
+__device__ __forceinline__ void add_batch_sums(A (&m)[V][2], A (&s)[V][2], A count,
+                                               const Vec (&v)[kR], const DyVec (&dy)[kR],
+                                               int got) {
+  const auto b = BatchShare<A>::template of<kFull, kR>(count, got);
 #pragma unroll
   for (int e = 0; e < V; ++e) {
-    A s1 = 0, s2 = 0;
+    if (count == A(0)) m[e][0] = v[0].get(e);  // add_batch's first shift
+    const A before = m[e][0];
 #pragma unroll
     for (int u = 0; u < kR; ++u) {
-      const A d = kFull || u < got ? v[u].get(e) - m[e][0] : A(0);
-      s1 += d;
-      s2 += d * d;
+      if (!kFull && u >= got) continue;
+      const A g = dy[u].get(e);
+      s[e][0] += g;
+      s[e][1] += g * (v[u].get(e) - before);
     }
-    const A delta = s1 * inv_g;  // the batch's mean less the running one
-    m[e][1] += (s2 - s1 * delta) + delta * delta * count_w;
-    m[e][0] += delta * w;
+    add_batch_channel<kFull, kR>(m[e], b, v, e, got);
+    move_sums(s[e][0], s[e][1], before, m[e][0]);
   }
 }
 
@@ -336,6 +397,58 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks) tile_stats(const 
   }
 }
 
+// Per (n, tile, channel), for a backward that computes its statistics (no
+// activation, so dy' = dy): the count, mean and M2 of x (as tile_stats) and
+// the sums of dy and of dy (x - mean) about that mean, into
+// partial[((n * tiles + tile) * C + c) * 5 + k]. One pass over x and dy
+// where the forward's statistics would take one more over x. kR rows a batch
+// and two blocks an SM, as tile_stats.
+template <typename X, typename G, int V, int kR = 4>
+__global__ void __launch_bounds__(kChannelThreads, 2) tile_moments_sums(const X* x, const G* dy,
+                                                                        Tiles t,
+                                                                        acc_t<X>* partial) {
+  using A = acc_t<X>;
+  __shared__ A shared[kChannelThreads * V * 5];
+  const TileThread me(t, Sweep::kDown);
+  A m[V][2], s[V][2];  // x's mean and M2; dy's sums
+#pragma unroll
+  for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = s[e][0] = s[e][1] = A(0);
+  A count = 0;
+  me.for_batches<V, kR>(t, [&](int64_t, int got, const auto& a, const auto& b) {
+    if (got == kR) {
+      add_batch_sums<true, kR>(m, s, count, a, b, got);
+    } else {
+      add_batch_sums<false, kR>(m, s, count, a, b, got);
+    }
+    count += A(got);
+  }, x, dy);
+  A out[V][5];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    out[e][0] = count, out[e][1] = m[e][0], out[e][2] = m[e][1];
+    out[e][3] = s[e][0], out[e][4] = s[e][1];
+  }
+  tree_combine<V, 5>(out, me.active ? me.set : -1, t.row_sets, t.lanes_per_block, shared);
+  if (!me.active || me.set != 0) return;
+  A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + me.lane * V) * 5;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+#pragma unroll
+    for (int k = 0; k < 5; ++k) dst[5 * e + k] = out[e][k];
+  }
+}
+
+// The mean and rstd of sample n's group of channel c, as the elementwise and
+// backward passes read them.
+template <typename A>
+__device__ __forceinline__ void group_of_channel(const A* mean, const A* var, int64_t n,
+                                                 int64_t c, int64_t groups, int64_t group_size,
+                                                 double epsilon, A& mu, A& rstd) {
+  const int64_t at = n * groups + c / group_size;
+  mu = mean[at];
+  rstd = rsqrt_acc(var[at] + A(epsilon));
+}
+
 // Per (n, tile, channel): the sums of dy' and of dy' xhat over the tile's
 // rows, into partial[((n * tiles + tile) * C + c) * 2 + k].
 template <typename X, typename G, typename W, int V>
@@ -354,9 +467,8 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
     A mu[V], rstd[V], w[V], b[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const int64_t c = me.lane * V + e, g = me.n * groups + c / group_size;
-      mu[e] = mean[g];
-      rstd[e] = rsqrt_acc(var[g] + A(epsilon));
+      const int64_t c = me.lane * V + e;
+      group_of_channel(mean, var, me.n, c, groups, group_size, epsilon, mu[e], rstd[e]);
       w[e] = act != Activation::kNone ? p.template w<A>(c) : A(0);
       b[e] = act != Activation::kNone ? p.template b<A>(c) : A(0);
     }
@@ -397,12 +509,15 @@ struct GroupChunk {
 // `first_c` on, each merged over the tiles in a fixed order and handed to
 // done(c, merged) by one thread. Threads take (channel, split): a split
 // merges the tiles split, split + splits, ... (four loads in flight), and a
-// tree merges the splits. Every thread of the block calls it.
+// tree merges the splits. Every thread of the block calls it. A split takes
+// at least four tiles: where the tiles are few (GroupNorm's, a few a
+// sample), a tree of fewer levels, each two block barriers.
 template <int K, typename A, typename F>
 __device__ void merge_channel_tiles(const A* partial, int64_t n, int64_t first_c,
                                     int64_t channels, const Tiles& t, A* shared, F&& done) {
   const int per = channels < kChannelThreads ? int(channels) : kChannelThreads;
-  const int splits = kChannelThreads / per;
+  const int64_t batches = (t.tiles + 3) / 4;
+  const int splits = batches < kChannelThreads / per ? int(batches) : kChannelThreads / per;
   const int cl = int(threadIdx.x) % per, split = int(threadIdx.x) / per;
   const bool on = split < splits;
   for (int64_t c0 = 0; c0 < channels; c0 += per) {  // the same trips in every thread
@@ -471,75 +586,59 @@ __device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
 }
 
 // Forward, per (n, group): the tiles' statistics merged per channel (into
-// chan, K = 3 a channel), then each group's channels by a warp; writes
-// mean_out, var_out (none when `given`: then mean and var are read) and,
-// where coef is not null, y's per-channel terms
-// coef[(n * C + c) * 2 + {0, 1}] = (a, b). Groups of one channel (BatchNorm,
-// InstanceNorm) are done where their tiles' merge ends: no chan, no warps'
-// combine, two block barriers and two global round trips fewer in a kernel
-// that is a dependent chain (notes v51).
-template <typename X, typename W>
+// chan, K = 3 a channel), then each group's channels by a warp, into mean
+// and var. Groups of one channel (BatchNorm, InstanceNorm) are done where
+// their tiles' merge ends: no chan, no warps' combine, two block barriers and
+// two global round trips fewer in a kernel that is a dependent chain (notes
+// v51).
+template <typename X>
 __global__ void __launch_bounds__(kChannelThreads) group_stats(
-    const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, Tiles t, int64_t group_size,
-    int64_t groups_per_block, double epsilon, bool given, acc_t<X>* mean, acc_t<X>* var,
-    acc_t<X>* coef) {
+    const acc_t<X>* partial, acc_t<X>* chan, Tiles t, int64_t group_size,
+    int64_t groups_per_block, acc_t<X>* mean, acc_t<X>* var) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * 3];
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
-  auto write_coef = [&](int64_t c, A mu, A v) {
-    if (!coef) return;
-    const A a = rsqrt_acc(v + A(epsilon)) * p.template w<A>(c);
-    coef[(chunk.n * t.c + c) * 2] = a;
-    coef[(chunk.n * t.c + c) * 2 + 1] = p.template b<A>(c) - mu * a;
-  };
-  if (!given && group_size == 1) {
+  if (group_size == 1) {
     merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, shared,
                            [&](int64_t c, const A (&m)[3]) {
       const int64_t at = chunk.n * groups + c;
-      const A v = m[0] > A(0) ? m[2] / m[0] : A(0);
-      mean[at] = m[1], var[at] = v;
-      write_coef(c, m[1], v);
+      mean[at] = m[1], var[at] = m[0] > A(0) ? m[2] / m[0] : A(0);
     });
     return;
   }
-  if (!given) {
-    merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, chan, shared);
-    __syncthreads();  // chan, written by the block's threads above
-    for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
-      const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
-      const A* src = chan + (chunk.n * t.c + c0) * 3;
-      A m[3];
-      warp_combine<3>(group_size, [&](int64_t c, A (&in)[3]) {
-        in[0] = src[3 * c], in[1] = src[3 * c + 1], in[2] = src[3 * c + 2];
-      }, m);
-      // Every lane holds the group's statistics: the warp writes its
-      // channels' terms without a trip through mean and var.
-      const A v = m[0] > A(0) ? m[2] / m[0] : A(0);
-      if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = v;
-      for (int64_t c = threadIdx.x % 32; c < group_size; c += 32) write_coef(c0 + c, m[1], v);
-    }
-    return;
-  }
-  for (int64_t k = threadIdx.x; k < channels && coef; k += kChannelThreads) {
-    const int64_t c = first_c + k, at = chunk.n * groups + c / group_size;
-    write_coef(c, mean[at], var[at]);
+  merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, chan, shared);
+  __syncthreads();  // chan, written by the block's threads above
+  for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
+    const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
+    const A* src = chan + (chunk.n * t.c + c0) * 3;
+    A m[3];
+    warp_combine<3>(group_size, [&](int64_t c, A (&in)[3]) {
+      in[0] = src[3 * c], in[1] = src[3 * c + 1], in[2] = src[3 * c + 2];
+    }, m);
+    if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = m[0] > A(0) ? m[2] / m[0] : A(0);
   }
 }
 
-// y = act(x a + b), a and b per (n, channel).
-template <typename X, typename Y, int V, bool kEvictFirst = true>
-__global__ void __launch_bounds__(kChannelThreads) apply_affine(const X* x, const acc_t<X>* coef,
-                                                                Activation act, Tiles t, Y* y) {
+// y = act(x a + b), a = rstd scale and b = bias - mean a per (n, channel),
+// each thread's from the statistics (given, or group_stats'): a forward given
+// its statistics is this one launch.
+template <typename X, typename Y, typename W, int V, bool kEvictFirst = true>
+__global__ void __launch_bounds__(kChannelThreads) apply_affine(
+    const X* x, const acc_t<X>* mean, const acc_t<X>* var, ChannelParams<W> p,
+    int64_t group_size, double epsilon, Activation act, Tiles t, Y* y) {
   using A = acc_t<X>;
   const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
   A a[V], b[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
-    const int64_t at = (me.n * t.c + me.lane * V + e) * 2;
-    a[e] = coef[at], b[e] = coef[at + 1];
+    const int64_t c = me.lane * V + e;
+    A mu, rstd;
+    group_of_channel(mean, var, me.n, c, t.c / group_size, group_size, epsilon, mu, rstd);
+    a[e] = rstd * p.template w<A>(c);
+    b[e] = p.template b<A>(c) - mu * a[e];
   }
   // x's last read and y: evict-first (load_global), so that neither pushes out
   // of L2 the rows of x this pass has yet to read, which tile_stats left there.
@@ -559,6 +658,7 @@ struct GroupSumsMode {
   bool write_sums;   // into sums_out, for the caller to add up across devices
   bool dx_terms;     // coef: dx's per-channel terms
   bool xla_terms;    // ... as returned to XLA (kDxTerms a channel), not apply_dx's
+  bool own_stats;    // the tiles' are tile_moments_sums' (K = 5): no statistics given
 };
 
 // Backward, per (n, group): the tiles' sums merged per channel (into chan,
@@ -572,18 +672,24 @@ struct GroupSumsMode {
 // channels' sums are dscale and dbias, written here when asked for (not
 // null) instead of by a launch of param_grads. Groups of one channel are
 // done where their tiles' merge ends, as in group_stats.
+// With mode.own_stats (mode "full" without an activation) the statistics
+// come from the tiles' moments (tile_moments_sums) instead of mean and var:
+// a group of one channel where its tiles' merge ends, a group of several
+// by a warp over its channels' merged tiles (K = 5, in own), which yields
+// the group's moments and its sums of g and g (x - mean) at once.
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, const acc_t<X>* mean,
     const acc_t<X>* var, const acc_t<X>* means, Tiles t, int64_t group_size,
     int64_t groups_per_block, double epsilon, GroupSumsMode mode, acc_t<X>* sums_out,
-    acc_t<X>* coef, W* dscale, W* dbias) {
+    acc_t<X>* coef, W* dscale, W* dbias, acc_t<X>* own) {
   using A = acc_t<X>;
-  __shared__ A shared[kChannelThreads * 2];
+  __shared__ A shared[kChannelThreads * 5];
   const int64_t groups = t.c / group_size;
   const GroupChunk chunk(groups, groups_per_block);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
   const A count = A(t.rows * group_size);
+  auto rstd_of = [&](A v) { return rsqrt_acc(v + A(epsilon)); };
   // The group at's sums of g and g xhat, (sum dy', sum dy' xhat) scaled
   // channel by channel: into sums_out, and as means into m.
   auto finish_sums = [&](int64_t at, A (&m)[2]) {
@@ -594,8 +700,7 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     if (dscale) dscale[c] = from_acc<W>(sums[1]);
     if (dbias) dbias[c] = from_acc<W>(sums[0]);
   };
-  auto write_dx_terms = [&](int64_t c, int64_t at, A mean_g, A mean_gx) {
-    const A mu = mean[at], rstd = rsqrt_acc(var[at] + A(epsilon));
+  auto write_dx_terms = [&](int64_t c, A mu, A rstd, A mean_g, A mean_gx) {
     // dx = rstd (w dy' - mean_g - xhat mean_gx), xhat = (x - mu) rstd
     const A w = p.template w<A>(c), a = rstd * w;
     if (mode.xla_terms) {
@@ -607,17 +712,60 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     dst[0] = a, dst[1] = p.template b<A>(c) - mu * a;
     dst[2] = a, dst[3] = -rstd * rstd * mean_gx, dst[4] = rstd * (rstd * mean_gx * mu - mean_g);
   };
+  // A group of one channel, its sums merged, with its statistics.
+  auto finish_channel = [&](int64_t c, const A (&sums)[2], A mu, A rstd) {
+    chan[(chunk.n * t.c + c) * 2] = sums[0], chan[(chunk.n * t.c + c) * 2 + 1] = sums[1];
+    write_params(c, sums);
+    const A w = p.template w<A>(c);
+    A m[2] = {w * sums[0], w * sums[1]};
+    finish_sums(chunk.n * groups + c, m);
+    if (mode.dx_terms) write_dx_terms(c, mu, rstd, m[0], m[1]);
+  };
+  if (mode.own_stats && group_size == 1) {
+    merge_channel_tiles<5>(partial, chunk.n, first_c, channels, t, shared,
+                           [&](int64_t c, const A (&m)[5]) {
+      const A rstd = rstd_of(m[0] > A(0) ? m[2] / m[0] : A(0));
+      const A sums[2] = {m[3], rstd * m[4]};
+      finish_channel(c, sums, m[1], rstd);
+    });
+    return;
+  }
   if (mode.from_tiles && !means && group_size == 1) {
     merge_channel_tiles<2>(partial, chunk.n, first_c, channels, t, shared,
                            [&](int64_t c, const A (&sums)[2]) {
-      chan[(chunk.n * t.c + c) * 2] = sums[0], chan[(chunk.n * t.c + c) * 2 + 1] = sums[1];
-      write_params(c, sums);
       const int64_t at = chunk.n * groups + c;
-      const A w = p.template w<A>(c);
-      A m[2] = {w * sums[0], w * sums[1]};
-      finish_sums(at, m);
-      if (mode.dx_terms) write_dx_terms(c, at, m[0], m[1]);
+      finish_channel(c, sums, mean[at], rstd_of(var[at]));
     });
+    return;
+  }
+  if (mode.own_stats) {  // groups of several channels
+    merge_channel_tiles<5>(partial, chunk.n, first_c, channels, t, own, shared);
+    __syncthreads();  // own, written by the block's threads above
+    for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
+      const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
+      const A* src = own + (chunk.n * t.c + c0) * 5;
+      // The group's moments, and its sums of g and g (x - mean) (scaled
+      // channel by channel before the merge moves them to the group's mean).
+      A m[5];
+      warp_combine<5>(group_size, [&](int64_t c, A (&in)[5]) {
+        const A w = p.template w<A>(c0 + c);
+        in[0] = src[5 * c], in[1] = src[5 * c + 1], in[2] = src[5 * c + 2];
+        in[3] = w * src[5 * c + 3], in[4] = w * src[5 * c + 4];
+      }, m);
+      const A mu = m[1], rstd = rstd_of(m[0] > A(0) ? m[2] / m[0] : A(0));
+      A means_g[2] = {m[3], rstd * m[4]};
+      finish_sums(at, means_g);
+      // Each channel's own sums about the group's mean: dscale and dbias.
+      for (int64_t c = threadIdx.x % 32; c < group_size; c += 32) {
+        A sums[2] = {src[5 * c + 3], src[5 * c + 4]};
+        move_sums(sums[0], sums[1], src[5 * c + 1], mu);
+        sums[1] *= rstd;
+        chan[(chunk.n * t.c + c0 + c) * 2] = sums[0];
+        chan[(chunk.n * t.c + c0 + c) * 2 + 1] = sums[1];
+        write_params(c0 + c, sums);
+        write_dx_terms(c0 + c, mu, rstd, means_g[0], means_g[1]);
+      }
+    }
     return;
   }
   if (mode.from_tiles) {
@@ -648,8 +796,9 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     }
     // Every lane holds the group's means (warp_combine): the warp writes its
     // channels' terms.
+    const A mu = mean[at], rstd = rstd_of(var[at]);
     for (int64_t c = threadIdx.x % 32; c < group_size && mode.dx_terms; c += 32) {
-      write_dx_terms(first_c + k * group_size + c, at, m[0], m[1]);
+      write_dx_terms(first_c + k * group_size + c, mu, rstd, m[0], m[1]);
     }
   }
 }
