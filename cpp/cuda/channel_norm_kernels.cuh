@@ -585,6 +585,28 @@ __device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
   }
 }
 
+// The chunk's groups of several channels, a warp each: their tiles merged
+// per channel into buf (K values a channel), then body(at, c0, src, m) for
+// group at, its first channel c0 and its channels' merged values src, m the
+// warp's combination over the group's channels c of in(c, merged values of
+// c, K values out) (warp_combine: every lane holds the same bits). Every
+// thread of the block calls it.
+template <int K, typename A, typename In, typename Body>
+__device__ void for_groups_merged(const A* partial, A* buf, const GroupChunk& chunk,
+                                  const Tiles& t, int64_t group_size, A* shared, In&& in,
+                                  Body&& body) {
+  const int64_t groups = t.c / group_size, first_c = chunk.first * group_size;
+  merge_channel_tiles<K>(partial, chunk.n, first_c, chunk.count * group_size, t, buf, shared);
+  __syncthreads();  // buf, written by the block's threads above
+  for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
+    const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
+    const A* src = buf + (chunk.n * t.c + c0) * K;
+    A m[K];
+    warp_combine<K>(group_size, [&](int64_t c, A (&v)[K]) { in(c0 + c, src + K * c, v); }, m);
+    body(at, c0, src, m);
+  }
+}
+
 // Forward, per (n, group): the tiles' statistics merged per channel (into
 // chan, K = 3 a channel), then each group's channels by a warp, into mean
 // and var. Groups of one channel (BatchNorm, InstanceNorm) are done where
@@ -608,17 +630,12 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
     });
     return;
   }
-  merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, chan, shared);
-  __syncthreads();  // chan, written by the block's threads above
-  for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
-    const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
-    const A* src = chan + (chunk.n * t.c + c0) * 3;
-    A m[3];
-    warp_combine<3>(group_size, [&](int64_t c, A (&in)[3]) {
-      in[0] = src[3 * c], in[1] = src[3 * c + 1], in[2] = src[3 * c + 2];
-    }, m);
+  for_groups_merged<3>(partial, chan, chunk, t, group_size, shared,
+                       [](int64_t, const A* src, A (&in)[3]) {
+    in[0] = src[0], in[1] = src[1], in[2] = src[2];
+  }, [&](int64_t at, int64_t, const A*, const A (&m)[3]) {
     if (threadIdx.x % 32 == 0) mean[at] = m[1], var[at] = m[0] > A(0) ? m[2] / m[0] : A(0);
-  }
+  });
 }
 
 // y = act(x a + b), a = rstd scale and b = bias - mean a per (n, channel),
@@ -739,19 +756,13 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
     return;
   }
   if (mode.own_stats) {  // groups of several channels
-    merge_channel_tiles<5>(partial, chunk.n, first_c, channels, t, own, shared);
-    __syncthreads();  // own, written by the block's threads above
-    for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
-      const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
-      const A* src = own + (chunk.n * t.c + c0) * 5;
-      // The group's moments, and its sums of g and g (x - mean) (scaled
-      // channel by channel before the merge moves them to the group's mean).
-      A m[5];
-      warp_combine<5>(group_size, [&](int64_t c, A (&in)[5]) {
-        const A w = p.template w<A>(c0 + c);
-        in[0] = src[5 * c], in[1] = src[5 * c + 1], in[2] = src[5 * c + 2];
-        in[3] = w * src[5 * c + 3], in[4] = w * src[5 * c + 4];
-      }, m);
+    // The group's moments, and its sums of g and g (x - mean) (scaled
+    // channel by channel before the merge moves them to the group's mean).
+    for_groups_merged<5>(partial, own, chunk, t, group_size, shared,
+                         [&](int64_t c, const A* src, A (&in)[5]) {
+      const A w = p.template w<A>(c);
+      in[0] = src[0], in[1] = src[1], in[2] = src[2], in[3] = w * src[3], in[4] = w * src[4];
+    }, [&](int64_t at, int64_t c0, const A* src, const A (&m)[5]) {
       const A mu = m[1], rstd = rstd_of(m[0] > A(0) ? m[2] / m[0] : A(0));
       A means_g[2] = {m[3], rstd * m[4]};
       finish_sums(at, means_g);
@@ -765,7 +776,7 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
         write_params(c0 + c, sums);
         write_dx_terms(c0 + c, mu, rstd, means_g[0], means_g[1]);
       }
-    }
+    });
     return;
   }
   if (mode.from_tiles) {
