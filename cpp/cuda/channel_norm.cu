@@ -128,8 +128,8 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
 
 // The backward's passes (channel_norm_kernels.cuh): the tiles' sums (with
 // x's moments where it computes its statistics, own_stats), their merge per
-// group (group_sums), dscale/dbias over the samples (param_grads) and dx
-// (apply_dx), as `mode` asks.
+// group (group_sums), dscale/dbias over the samples and dx (apply_dx, or
+// param_grads alone), as `mode` asks.
 template <typename X, typename G, typename W, int V>
 ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                       const ChannelNormShape& s, double epsilon, Activation act,
@@ -167,14 +167,16 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
       partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
       s.group_size, per, epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
       grads_here ? dbias : nullptr, own);
-  if (params_out && !grads_here && (dscale || dbias)) {
-    param_grads<X, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
-                        stream>>>(chan, s.n, s.c, dscale, dbias);
-  }
+  ParamGrads<A, W> grads;
+  if (params_out && !grads_here) grads = {chan, s.n, s.c, dscale, dbias};
   if (dx_out) {
     const Tiles tx =
-        plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, V>);
-    apply_dx<X, G, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, act, tx, dx);
+        plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, W, V>);
+    apply_dx<X, G, W, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, act, tx,
+                                                                      dx, grads);
+  } else if (grads.dscale || grads.dbias) {
+    param_grads<A, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
+                        stream>>>(grads);
   }
   return last_launch_error("channel_norm_bwd");
 }

@@ -29,8 +29,8 @@
 //   backward: tile_sums (sums of dy' and dy' xhat; or tile_moments_sums,
 //             x's moments and dy's sums, where it computes the statistics),
 //             group_sums (the per-group means of g = dy' scale and g xhat,
-//             and dx's per-channel terms), param_grads (dscale, dbias: the
-//             sums over n), apply_dx.
+//             and dx's per-channel terms), apply_dx (dx, and dscale and
+//             dbias: the sums over n, ParamGrads).
 // dy' is dy through the fused activation's derivative (common/activation.h).
 #pragma once
 
@@ -230,9 +230,14 @@ __device__ __forceinline__ void combine(A (&a)[K], const A (&b)[K]) {
 // for h = the largest power of two below parts, then half that, ..., so part
 // 0 ends with the combination of all in an order set by `parts` alone. Every
 // thread of the block calls it (it synchronizes); `part` is the caller's p,
-// or -1 for threads outside the tree. `shared` holds 256 * E * K values.
+// or -1 for threads outside the tree. `shared` holds 256 * E * K values,
+// value j of every thread side by side (slot j * 256 + thread), so that a
+// warp's accesses fall in 32 banks: a thread's E * K values side by side
+// put its neighbours E * K words apart, 8 or 16 to a bank for E = 8 and
+// K = 2, 3 or 5.
 template <int E, int K, typename A>
 __device__ void tree_combine(A (&v)[E][K], int part, int parts, int stride, A* shared) {
+  auto slot = [](int thread, int e, int k) { return (e * K + k) * kChannelThreads + thread; };
   int h = 1;
   while (2 * h < parts) h *= 2;
   for (; h >= 1; h /= 2) {
@@ -241,7 +246,7 @@ __device__ void tree_combine(A (&v)[E][K], int part, int parts, int stride, A* s
 #pragma unroll
       for (int e = 0; e < E; ++e) {
 #pragma unroll
-        for (int k = 0; k < K; ++k) shared[(threadIdx.x * E + e) * K + k] = v[e][k];
+        for (int k = 0; k < K; ++k) shared[slot(int(threadIdx.x), e, k)] = v[e][k];
       }
     }
     __syncthreads();
@@ -251,7 +256,7 @@ __device__ void tree_combine(A (&v)[E][K], int part, int parts, int stride, A* s
       for (int e = 0; e < E; ++e) {
         A other[K];
 #pragma unroll
-        for (int k = 0; k < K; ++k) other[k] = shared[(from * E + e) * K + k];
+        for (int k = 0; k < K; ++k) other[k] = shared[slot(from, e, k)];
         combine<K>(v[e], other);
       }
     }
@@ -402,11 +407,13 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks) tile_stats(const 
 // the sums of dy and of dy (x - mean) about that mean, into
 // partial[((n * tiles + tile) * C + c) * 5 + k]. One pass over x and dy
 // where the forward's statistics would take one more over x. kR rows a batch
-// and two blocks an SM, as tile_stats.
-template <typename X, typename G, int V, int kR = 4>
-__global__ void __launch_bounds__(kChannelThreads, 2) tile_moments_sums(const X* x, const G* dy,
-                                                                        Tiles t,
-                                                                        acc_t<X>* partial) {
+// and kMinBlocks blocks an SM: on an H200 (bf16, the benchmark's GroupNorm
+// shapes, notes v75) 2 rows at 3 blocks (80 registers) ran 2-14% slower; 8
+// rows at 1 block (168) 6-8% faster at 8x32x32x1280 alone, with the
+// forward+backward no faster, and 2-5% slower at the other three.
+template <typename X, typename G, int V, int kR = 4, int kMinBlocks = 2>
+__global__ void __launch_bounds__(kChannelThreads, kMinBlocks)
+    tile_moments_sums(const X* x, const G* dy, Tiles t, acc_t<X>* partial) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * V * 5];
   const TileThread me(t, Sweep::kDown);
@@ -814,28 +821,47 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
   }
 }
 
-// dscale and dbias: the channels' sums over n, in order.
-template <typename X, typename W>
-__global__ void __launch_bounds__(kChannelThreads) param_grads(const acc_t<X>* chan, int64_t n,
-                                                               int64_t c, W* dscale, W* dbias) {
-  using A = acc_t<X>;
-  const int64_t ch = int64_t(blockIdx.x) * kChannelThreads + threadIdx.x;
-  if (ch >= c) return;
-  A d = 0, dx = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    d += chan[(i * c + ch) * 2];
-    dx += chan[(i * c + ch) * 2 + 1];
+// dscale and dbias: the channels' sums over n of group_sums' per-(n, channel)
+// sums (chan), in order, so the same inputs give the same bits. Null
+// dscale and dbias: none asked for.
+template <typename A, typename W>
+struct ParamGrads {
+  const A* chan = nullptr;
+  int64_t n = 0, c = 0;
+  W* dscale = nullptr;
+  W* dbias = nullptr;
+  // Channels blockIdx.x * 256 + threadIdx.x, and every grid's worth on.
+  __device__ void write() const {
+    if (!dscale && !dbias) return;
+    for (int64_t ch = int64_t(blockIdx.x) * kChannelThreads + threadIdx.x; ch < c;
+         ch += int64_t(gridDim.x) * kChannelThreads) {
+      A d = 0, dx = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        d += chan[(i * c + ch) * 2];
+        dx += chan[(i * c + ch) * 2 + 1];
+      }
+      if (dscale) dscale[ch] = from_acc<W>(dx);
+      if (dbias) dbias[ch] = from_acc<W>(d);
+    }
   }
-  if (dscale) dscale[ch] = from_acc<W>(dx);
-  if (dbias) dbias[ch] = from_acc<W>(d);
+};
+
+// ParamGrads alone, where no apply_dx follows group_sums to write them.
+template <typename A, typename W>
+__global__ void __launch_bounds__(kChannelThreads) param_grads(ParamGrads<A, W> grads) {
+  grads.write();
 }
 
-// dx = k_d dy' + k_x x + k_0, the terms per (n, channel) (group_sums).
-template <typename X, typename G, int V>
+// dx = k_d dy' + k_x x + k_0, the terms per (n, channel) (group_sums); and
+// dscale/dbias where asked for (`grads`: a launch fewer than param_grads
+// after it, 1.0-1.9 us on an H200).
+template <typename X, typename G, typename W, int V>
 __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G* dy,
                                                             const acc_t<X>* coef,
-                                                            Activation act, Tiles t, X* dx) {
+                                                            Activation act, Tiles t, X* dx,
+                                                            ParamGrads<acc_t<X>, W> grads) {
   using A = acc_t<X>;
+  grads.write();
   const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
   A k[V][5];
