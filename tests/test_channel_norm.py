@@ -628,13 +628,17 @@ def test_channel_handlers_reject_inconsistent_buffers(case, match):
         jax.block_until_ready(jax.jit(lambda: _ffi(target, outs, *args.values(), **attrs))())
 
 
+# x as (N, A, C, B): B > 1 is channels-first (CUDA lowers it to the jax.numpy
+# reference), B = 1 channels-last (the CUDA kernels: with N > 1, mode "sums"
+# takes param_grads' own launch and the others apply_dx's).
+@pytest.mark.parametrize("shape", [(2, 3, 8, 5), (3, 7, 8, 1)])
 @pytest.mark.parametrize("activation", [0, 1, 2])  # none, SiLU, ReLU
-def test_reference_lowering_matches_the_kernels(activation):
+def test_reference_lowering_matches_the_kernels(activation, shape):
     """The jax.numpy implementation that platforms without a kernel lower to
     gives the kernels' results in every mode of the two targets."""
     from jaxnorm import channel_norm as cn
 
-    x = rand(50, (2, 3, 8, 5), jnp.float64)
+    x = rand(50, shape, jnp.float64)
     scale, bias = params(51, 8, jnp.float64)
     dy = rand(52, x.shape, jnp.float64)
     e = jnp.zeros((0,), jnp.float64)
@@ -649,7 +653,7 @@ def test_reference_lowering_matches_the_kernels(activation):
     _close_all(*given)
     np.testing.assert_allclose(given[0][0], fwd[0][0], rtol=1e-12, atol=1e-12)
     bwd_impls = (cn.channel_norm_bwd_kernel_p.bind, cn._bwd_kernel_reference)
-    means = jnp.full((2, 4, 2), 0.25, jnp.float64)
+    means = jnp.full((shape[0], 4, 2), 0.25, jnp.float64)
     for mode, m, param_grads in (("full", e, True), ("sums", e, True), ("terms", e, True),
                                  ("dx", means, False), ("dx", means, True)):
         outs = [jax.jit(functools.partial(f, **common, mode=mode, param_grads=param_grads,
