@@ -11,8 +11,9 @@
 # -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
 # SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
 # kernels/mbarrier_racecheck.cu's orderings alone; "channel_plans",
-# kernels/channel_plans.cu; "lrn_lines", kernels/lrn_lines.cu;
-# "softmax_lines", kernels/softmax_lines.cu: these four and "plans" alone skip
+# kernels/channel_plans.cu; "channel_probe", kernels/channel_probe.cu (and
+# its profile by Nsight Compute); "lrn_lines", kernels/lrn_lines.cu;
+# "softmax_lines", kernels/softmax_lines.cu: these five and "plans" alone skip
 # the jaxnorm build); SKIP_BUILD=1 keeps an earlier
 # build; PREBUILT=1 takes the module built elsewhere for this machine's Python
 # and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/'s harnesses
@@ -41,7 +42,9 @@ fi
   | tee "$OUT/device.txt"
 needs_build=$([ -z "$STEPS" ] && echo 1)  # the build alone
 for s in $STEPS; do  # the mbarrier check and the C++ harnesses need no jaxnorm build
-  case $s in mbarrier|channel_plans|lrn_lines|softmax_lines|plans) ;; *) needs_build=1 ;; esac
+  case $s in mbarrier|channel_plans|channel_probe|lrn_lines|softmax_lines|plans) ;;
+    *) needs_build=1 ;;
+  esac
 done
 if [ -n "$needs_build" ]; then
   echo "== build"
@@ -168,6 +171,18 @@ if step channel_plans && harness channel_plans; then
   echo "== channel norm statistics pass (C++, kernels/channel_plans.cu)"
   /tmp/channel_plans > "$OUT/channel_plans.txt" 2>&1 || tail -5 "$OUT/channel_plans.txt"
   cat "$OUT/channel_plans.txt"
+fi
+
+if step channel_probe && harness channel_probe; then
+  echo "== GroupNorm's kernels one by one (C++, kernels/channel_probe.cu)"
+  /tmp/channel_probe > "$OUT/channel_probe.txt" 2>&1 || tail -5 "$OUT/channel_probe.txt"
+  cat "$OUT/channel_probe.txt"
+  if command -v ncu > /dev/null; then  # its kernels' profile at one shape
+    PROBE=1 PROBE_SHAPE=8x32x32x1280 timeout 240 ncu --set full --import-source no -f \
+      -o /tmp/channel_probe /tmp/channel_probe > "$OUT/channel_probe_ncu.log" 2>&1
+    [ -f /tmp/channel_probe.ncu-rep ] && ncu -i /tmp/channel_probe.ncu-rep --page raw --csv \
+      > "$OUT/channel_probe_ncu.csv" 2>&1
+  fi
 fi
 
 if step lrn_lines && harness lrn_lines; then

@@ -2,8 +2,8 @@
 # Builds, on a machine with nvcc but no GPU, what gpu_run.sh's PREBUILT=1
 # takes on the GPU machine in place of its own build: the CUDA module for that
 # machine's Python and jax (jaxnorm/_jaxnorm.cpython-3XX-*.so) and the C++
-# benchmarks (build-bench/row_norm_plans, lrn_lines, softmax_lines and
-# channel_plans). The module's
+# benchmarks (build-bench/row_norm_plans, lrn_lines, softmax_lines,
+# channel_plans and channel_probe). The module's
 # FFI headers come from the GPU machine's jax version (a handler loads in that
 # jaxlib and newer ones).
 #   PYTHON=python3.12 JAX_VERSION=0.11.2 CUDA_ARCHS=90 bash benchmarks/prebuild.sh
@@ -27,7 +27,7 @@ cp "$build"/_jaxnorm.cpython-*.so "$repo/jaxnorm/"
 
 mkdir -p "$repo/build-bench"
 jaxinc=$("$venv/bin/python" -c "import jax; print(jax.ffi.include_dir())")
-for name in row_norm_plans lrn_lines softmax_lines channel_plans; do  # as gpu_run.sh's harness() builds them
+for name in row_norm_plans lrn_lines softmax_lines channel_plans channel_probe; do  # as gpu_run.sh's harness() builds them
   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I"$repo/cpp" -isystem "$jaxinc" \
     "$repo/benchmarks/kernels/$name.cu" -o "$repo/build-bench/$name"
 done

@@ -9,16 +9,6 @@
 namespace jaxnorm::cuda {
 namespace {
 
-// Groups a group_stats / group_sums block covers: whole groups, about as many
-// channels as give each of twice the SMs' blocks a share, at most
-// kGroupsPerBlock (the merges of one channel's tiles spread over the
-// block's threads: merge_channel_tiles in channel_norm_kernels.cuh).
-int64_t groups_per_block(const ChannelNormShape& s, const DeviceInfo& dev) {
-  const int64_t channels = (s.n * s.c + 2 * dev.sms - 1) / (2 * dev.sms);
-  const int64_t groups = (channels + s.group_size - 1) / s.group_size;
-  return groups < 1 ? 1 : groups > kGroupsPerBlock ? kGroupsPerBlock : groups;
-}
-
 int64_t group_blocks(const ChannelNormShape& s, int64_t per) {
   return s.n * ((s.groups + per - 1) / per);
 }
@@ -75,12 +65,15 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if (!given) {
     const Tiles t =
         plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
+    const int64_t per = groups_per_block(s.n, s.c, s.group_size, dev);
+    const size_t smem = merge_smem_bytes<A>(per, s.group_size, 3);
     A *partial = nullptr, *chan = nullptr;
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
-    if (s.group_size > 1) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
+    if (s.group_size > 1 && smem == 0) {
+      JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
+    }
     tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
-    const int64_t per = groups_per_block(s, dev);
-    group_stats<X><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
+    group_stats<X><<<group_blocks(s, per), kChannelThreads, smem, stream>>>(
         partial, chan, t, s.group_size, per, mean, var);
   }
   if (write_y) {
@@ -146,13 +139,19 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode == ChannelBwdMode::kFull || mode == ChannelBwdMode::kDx;
   const bool terms_out = mode == ChannelBwdMode::kTerms;  // group_sums' coef, returned
+  const int64_t per = groups_per_block(s.n, s.c, s.group_size, dev);
+  // for_groups_merged's buffer of the channels' merged tiles (groups of
+  // several, with own_stats): shared memory where it fits, else own.
+  const size_t smem = own_stats ? merge_smem_bytes<A>(per, s.group_size, 5) : 0;
   A *partial = nullptr, *chan = nullptr, *coef = terms_out ? sums_out : nullptr, *own = nullptr;
   if (from_tiles) {
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * sums, &partial));
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 2, &chan));
   }
-  if (own_stats) {  // the channels' merged tiles, for groups of several
-    if (s.group_size > 1) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &own));
+  if (own_stats) {
+    if (s.group_size > 1 && smem == 0) {
+      JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &own));
+    }
     tile_moments_sums<X, G, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, dy, t, partial);
   } else if (from_tiles) {
     tile_sums<X, G, W, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
@@ -161,9 +160,8 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out || terms_out,
                             terms_out, own_stats};
-  const int64_t per = groups_per_block(s, dev);
   const bool grads_here = params_out && s.n == 1;  // group_sums writes them
-  group_sums<X, W><<<group_blocks(s, per), kChannelThreads, 0, stream>>>(
+  group_sums<X, W><<<group_blocks(s, per), kChannelThreads, smem, stream>>>(
       partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
       s.group_size, per, epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
       grads_here ? dbias : nullptr, own);

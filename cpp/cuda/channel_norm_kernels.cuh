@@ -129,9 +129,13 @@ struct TileThread {
   // x's shape) loaded as packed words into a[u] and b[u] before any is used.
   // Packed, a 16-bit row costs 4 registers where converted it cost 8: the
   // first build held its loads converted and ran its backward passes at one
-  // block an SM (157 registers).
-  template <int V, int kR = kRowsInFlight, bool kLastUse = false, typename F, typename... T>
-  __device__ void for_batches(const Tiles& t, F&& f, const T*... p) const {
+  // block an SM (157 registers). start() runs once, after the first batch's
+  // loads are issued and before f: what a pass loads of its per-channel
+  // terms there travels with the first rows instead of a round trip ahead
+  // of them.
+  template <int V, int kR = kRowsInFlight, bool kLastUse = false, typename S, typename F,
+            typename... T>
+  __device__ void for_batches(const Tiles& t, S&& start, F&& f, const T*... p) const {
     constexpr int K = sizeof...(T);
     static_assert(K == 1 || K == 2);
     using V0 = RegVec<std::tuple_element_t<0, std::tuple<T...>>, V>;
@@ -143,15 +147,16 @@ struct TileThread {
       for (int u = 0; u < kR; ++u) {
         if (k + u < count) load_rows<kLastUse>(t, row(k + u), a[u], b[u], p...);
       }
+      if (k == 0) start();
       f(k, count - k < kR ? int(count - k) : kR, a, b);
     }
   }
   // f(row, a, b) for each of the thread's rows, kRowsInFlight loaded at a
-  // time (for_batches).
-  template <int V, bool kLastUse = false, typename F, typename... T>
-  __device__ void for_rows(const Tiles& t, F&& f, const T*... p) const {
-    for_batches<V, kRowsInFlight, kLastUse>(t, [&](int64_t k, int got, const auto& a,
-                                                   const auto& b) {
+  // time, start() as for_batches.
+  template <int V, bool kLastUse = false, typename S, typename F, typename... T>
+  __device__ void for_rows(const Tiles& t, S&& start, F&& f, const T*... p) const {
+    for_batches<V, kRowsInFlight, kLastUse>(t, start, [&](int64_t k, int got, const auto& a,
+                                                          const auto& b) {
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) {
         if (u < got) f(row(k + u), a[u], b[u]);
@@ -421,7 +426,7 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks)
 #pragma unroll
   for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = s[e][0] = s[e][1] = A(0);
   A count = 0;
-  me.for_batches<V, kR>(t, [&](int64_t, int got, const auto& a, const auto& b) {
+  me.for_batches<V, kR>(t, [] {}, [&](int64_t, int got, const auto& a, const auto& b) {
     if (got == kR) {
       add_batch_sums<true, kR>(m, s, count, a, b, got);
     } else {
@@ -445,15 +450,27 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks)
   }
 }
 
-// The mean and rstd of sample n's group of channel c, as the elementwise and
-// backward passes read them.
-template <typename A>
-__device__ __forceinline__ void group_of_channel(const A* mean, const A* var, int64_t n,
-                                                 int64_t c, int64_t groups, int64_t group_size,
-                                                 double epsilon, A& mu, A& rstd) {
-  const int64_t at = n * groups + c / group_size;
-  mu = mean[at];
-  rstd = rsqrt_acc(var[at] + A(epsilon));
+// The mean and rstd of the groups of sample n's channels c0, ..., c0 + V - 1
+// (a thread's vector), as the elementwise and backward passes read them: the
+// group of c0 by one division, the others' by counting on, and every load
+// issued before any is used. A division and a load a channel in turn (the
+// first build) held each warp for V round trips before its first load of x,
+// ~2.5 us at every launch of apply_affine on an H200 (notes v76).
+template <int V, typename A>
+__device__ __forceinline__ void channel_stats(const A* mean, const A* var, int64_t n,
+                                              int64_t c0, int64_t groups, int64_t group_size,
+                                              double epsilon, A (&mu)[V], A (&rstd)[V]) {
+  int64_t g = c0 / group_size, r = c0 - g * group_size;
+  int64_t at[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    at[e] = n * groups + g;
+    if (++r == group_size) r = 0, ++g;
+  }
+#pragma unroll
+  for (int e = 0; e < V; ++e) mu[e] = mean[at[e]], rstd[e] = var[at[e]];
+#pragma unroll
+  for (int e = 0; e < V; ++e) rstd[e] = rsqrt_acc(rstd[e] + A(epsilon));
 }
 
 // Per (n, tile, channel): the sums of dy' and of dy' xhat over the tile's
@@ -470,16 +487,18 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
 #pragma unroll
   for (int e = 0; e < V; ++e) sums[e][0] = sums[e][1] = A(0);
   if (me.active) {
-    const int64_t groups = t.c / group_size;
     A mu[V], rstd[V], w[V], b[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      const int64_t c = me.lane * V + e;
-      group_of_channel(mean, var, me.n, c, groups, group_size, epsilon, mu[e], rstd[e]);
-      w[e] = act != Activation::kNone ? p.template w<A>(c) : A(0);
-      b[e] = act != Activation::kNone ? p.template b<A>(c) : A(0);
+      w[e] = act != Activation::kNone ? p.template w<A>(me.lane * V + e) : A(0);
+      b[e] = act != Activation::kNone ? p.template b<A>(me.lane * V + e) : A(0);
     }
-    me.for_rows<V>(t, [&](int64_t, const auto& xv, const auto& dyv) {
+    channel_stats<V>(mean, var, me.n, me.lane * V, t.c / group_size, group_size, epsilon, mu,
+                     rstd);
+    // Its terms before its rows: loaded after the first rows' loads (as
+    // apply_affine's), the UNet's tile_sums with SiLU ran 16% slower (notes
+    // v76).
+    me.for_rows<V>(t, [] {}, [&](int64_t, const auto& xv, const auto& dyv) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const A xhat = (xv.get(e) - mu[e]) * rstd[e];
@@ -592,34 +611,64 @@ __device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
   }
 }
 
+// Groups a group_stats / group_sums block covers for x (n, ., c): whole
+// groups, about as many channels as give each of twice the SMs' blocks a
+// share, at most kGroupsPerBlock (the merges of one channel's tiles spread
+// over the block's threads: merge_channel_tiles).
+__host__ inline int64_t groups_per_block(int64_t n, int64_t c, int64_t group_size,
+                                         const DeviceInfo& dev) {
+  const int64_t channels = (n * c + 2 * dev.sms - 1) / (2 * dev.sms);
+  const int64_t groups = (channels + group_size - 1) / group_size;
+  return groups < 1 ? 1 : groups > kGroupsPerBlock ? kGroupsPerBlock : groups;
+}
+
+// Dynamic shared memory a merge block's for_groups_merged keeps its
+// channels' K values in (merge_smem_bytes), if it fits beside the kernels'
+// static arrays in the 48 KB a block gets without opting in; 0: they go
+// through global scratch.
+template <typename A>
+__host__ inline size_t merge_smem_bytes(int64_t groups_per_block, int64_t group_size, int k) {
+  const size_t bytes = size_t(groups_per_block * group_size) * k * sizeof(A);
+  return group_size > 1 && bytes <= 32 * 1024 ? bytes : 0;
+}
+
 // The chunk's groups of several channels, a warp each: their tiles merged
-// per channel into buf (K values a channel), then body(at, c0, src, m) for
-// group at, its first channel c0 and its channels' merged values src, m the
-// warp's combination over the group's channels c of in(c, merged values of
-// c, K values out) (warp_combine: every lane holds the same bits). Every
-// thread of the block calls it.
+// per channel into a buffer of the chunk's channels (K values a channel):
+// global scratch at chan's (n, first channel) where chan is given, else the
+// block's dynamic shared memory (merge_smem_bytes), which saves the warps'
+// reads a round trip to L2 (notes v76). Then body(at, c0, src, m) for group
+// at, its first channel c0 and its channels' merged values src, m the warp's
+// combination over the group's channels c of in(c, merged values of c, K
+// values out) (warp_combine: every lane holds the same bits). Every thread of
+// the block calls it.
 template <int K, typename A, typename In, typename Body>
-__device__ void for_groups_merged(const A* partial, A* buf, const GroupChunk& chunk,
+__device__ void for_groups_merged(const A* partial, A* chan, const GroupChunk& chunk,
                                   const Tiles& t, int64_t group_size, A* shared, In&& in,
                                   Body&& body) {
+  extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
   const int64_t groups = t.c / group_size, first_c = chunk.first * group_size;
-  merge_channel_tiles<K>(partial, chunk.n, first_c, chunk.count * group_size, t, buf, shared);
+  A* buf = chan ? chan + (chunk.n * t.c + first_c) * K : reinterpret_cast<A*>(dyn);
+  merge_channel_tiles<K>(partial, chunk.n, first_c, chunk.count * group_size, t, shared,
+                         [&](int64_t c, const A (&merged)[K]) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) buf[(c - first_c) * K + k] = merged[k];
+  });
   __syncthreads();  // buf, written by the block's threads above
   for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
     const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
-    const A* src = buf + (chunk.n * t.c + c0) * K;
+    const A* src = buf + k * group_size * K;
     A m[K];
     warp_combine<K>(group_size, [&](int64_t c, A (&v)[K]) { in(c0 + c, src + K * c, v); }, m);
     body(at, c0, src, m);
   }
 }
 
-// Forward, per (n, group): the tiles' statistics merged per channel (into
-// chan, K = 3 a channel), then each group's channels by a warp, into mean
-// and var. Groups of one channel (BatchNorm, InstanceNorm) are done where
-// their tiles' merge ends: no chan, no warps' combine, two block barriers and
-// two global round trips fewer in a kernel that is a dependent chain (notes
-// v51).
+// Forward, per (n, group): the tiles' statistics merged per channel (K = 3
+// a channel, in chan or, null, shared memory: for_groups_merged), then each
+// group's channels by a warp, into mean and var. Groups of one channel
+// (BatchNorm, InstanceNorm) are done where their tiles' merge ends: no
+// chan, no warps' combine, two block barriers and two global round trips
+// fewer in a kernel that is a dependent chain (notes v51).
 template <typename X>
 __global__ void __launch_bounds__(kChannelThreads) group_stats(
     const acc_t<X>* partial, acc_t<X>* chan, Tiles t, int64_t group_size,
@@ -656,17 +705,20 @@ __global__ void __launch_bounds__(kChannelThreads) apply_affine(
   const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
   A a[V], b[V];
+  auto terms = [&] {
+    A mu[V], rstd[V];
 #pragma unroll
-  for (int e = 0; e < V; ++e) {
-    const int64_t c = me.lane * V + e;
-    A mu, rstd;
-    group_of_channel(mean, var, me.n, c, t.c / group_size, group_size, epsilon, mu, rstd);
-    a[e] = rstd * p.template w<A>(c);
-    b[e] = p.template b<A>(c) - mu * a[e];
-  }
+    for (int e = 0; e < V; ++e) {
+      a[e] = p.template w<A>(me.lane * V + e), b[e] = p.template b<A>(me.lane * V + e);
+    }
+    channel_stats<V>(mean, var, me.n, me.lane * V, t.c / group_size, group_size, epsilon, mu,
+                     rstd);
+#pragma unroll
+    for (int e = 0; e < V; ++e) a[e] *= rstd[e], b[e] -= mu[e] * a[e];
+  };
   // x's last read and y: evict-first (load_global), so that neither pushes out
   // of L2 the rows of x this pass has yet to read, which tile_stats left there.
-  me.for_rows<V, kEvictFirst>(t, [&](int64_t r, const auto& v, const auto&) {
+  me.for_rows<V, kEvictFirst>(t, terms, [&](int64_t r, const auto& v, const auto&) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -699,7 +751,8 @@ struct GroupSumsMode {
 // With mode.own_stats (mode "full" without an activation) the statistics
 // come from the tiles' moments (tile_moments_sums) instead of mean and var:
 // a group of one channel where its tiles' merge ends, a group of several
-// by a warp over its channels' merged tiles (K = 5, in own), which yields
+// by a warp over its channels' merged tiles (K = 5, in own or, null, shared
+// memory: for_groups_merged), which yields
 // the group's moments and its sums of g and g (x - mean) at once.
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
@@ -875,7 +928,9 @@ __global__ void __launch_bounds__(kChannelThreads) apply_dx(const X* x, const G*
     }
   }
   // As apply_affine: the last reads of x and dy and dx's stores evict-first.
-  me.for_rows<V, true>(t, [&](int64_t r, const auto& xv, const auto& dyv) {
+  // Its terms before its rows, as tile_sums: loaded after the first rows'
+  // loads, the UNet's apply_dx ran 6-24% slower (notes v76).
+  me.for_rows<V, true>(t, [] {}, [&](int64_t r, const auto& xv, const auto& dyv) {
     A out[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
