@@ -4,7 +4,9 @@
 // bf16 NHWC x and dy, float32 scale and bias, 32 groups, on the benchmark's
 // GroupNorm shapes: each kernel timed alone and each direction's launches
 // together (CUDA graphs and events), against a device-to-device copy and a
-// read-only pass of x. With PROBE=1 each timed sequence runs three times
+// read-only pass of x (and of 1/16 of it, and an empty kernel: what a
+// launch costs), with a trial form of tile_stats beside it (notes v76).
+// With PROBE=1 each timed sequence runs three times
 // instead, for a profiler:
 //
 //   PROBE=1 PROBE_SHAPE=8x32x32x1280 ncu --set full ./channel_probe
@@ -19,6 +21,59 @@
 using namespace jaxnorm::cuda;
 using jaxnorm::Activation;
 using bf16 = __nv_bfloat16;
+
+// Trial: tile_stats with its row sets merged in one step instead of a tree
+// (log2 R levels, two barriers each): every thread's (count, mean, M2) into
+// shared memory, one barrier, then a thread per (lane, channel) of the block
+// merges the R sets in order.
+template <int V, int kR = 8>
+__global__ void __launch_bounds__(kChannelThreads, 2)
+    tile_stats_one_merge(const bf16* x, Tiles t, float* partial) {
+  using A = float;
+  using Vec = RegVec<bf16, V>;
+  __shared__ A shared[kChannelThreads * V * 3];
+  const TileThread me(t, Sweep::kDown);
+  A m[V][2];
+#pragma unroll
+  for (int e = 0; e < V; ++e) m[e][0] = m[e][1] = A(0);
+  A count = 0;
+  me.for_batches<V, kR>(t, [] {}, [&](int64_t, int got, const auto& a, const auto&) {
+    if (got == kR) {
+      add_batch<true, kR>(m, count, a, got);
+    } else {
+      add_batch<false, kR>(m, count, a, got);
+    }
+    count += A(got);
+  }, x);
+  const int tid = int(threadIdx.x);
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    shared[(e * 3) * kChannelThreads + tid] = count;
+    shared[(e * 3 + 1) * kChannelThreads + tid] = m[e][0];
+    shared[(e * 3 + 2) * kChannelThreads + tid] = m[e][1];
+  }
+  __syncthreads();
+  const int items = t.lanes_per_block * V;
+  const int64_t slab = (int64_t(blockIdx.x) / t.tiles) % t.slabs;
+  for (int item = tid; item < items; item += kChannelThreads) {
+    const int local = item % t.lanes_per_block, e = item / t.lanes_per_block;
+    const int64_t lane = slab * t.lanes_per_block + local;
+    if (lane >= t.lanes) continue;
+    A out[3] = {0, 0, 0};
+#pragma unroll 4
+    for (int set = 0; set < t.row_sets; ++set) {
+      const int from = set * t.lanes_per_block + local;
+      const A in[3] = {shared[(e * 3) * kChannelThreads + from],
+                       shared[(e * 3 + 1) * kChannelThreads + from],
+                       shared[(e * 3 + 2) * kChannelThreads + from]};
+      combine<3>(out, in);
+    }
+    A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + lane * V + e) * 3;
+    dst[0] = out[0], dst[1] = out[1], dst[2] = out[2];
+  }
+}
+
+__global__ void empty_kernel() {}
 
 struct Shape {
   const char* name;
@@ -133,6 +188,30 @@ int main() {
       std::printf("\n");
     };
     row("tile_stats", &ts, bytes, stats);
+    {  // the trial, its results against tile_stats' (a different merge order)
+      const size_t np = size_t(ts.blocks() / ts.slabs) * k.c * 3;
+      stats();
+      const std::vector<float> want = to_host(partial, np, false);
+      row("tile_stats one merge", &ts, bytes, [&] {
+        tile_stats_one_merge<V><<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
+      });
+      CHECK(cudaStreamSynchronize(s));
+      const std::vector<float> got = to_host(partial, np, false);
+      RelativeError mean_err, m2_err;
+      for (size_t i = 0; i < np; i += 3) {
+        if (got[i] != want[i]) mean_err.add(INFINITY, 1);  // counts must agree
+        mean_err.add(got[i + 1], want[i + 1]);
+        m2_err.add(got[i + 2], want[i + 2]);
+      }
+      std::printf("  (one merge against the tree: mean %.1e, M2 %.1e relative)\n",
+                  mean_err.value(), m2_err.value());
+      stats(), merge();  // the tree's, for the kernels after
+    }
+    row("empty kernel", nullptr, 0, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
+    row("read_only rows/16", nullptr, bytes / 16.0, [&] {
+      read_only<<<dev.sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(x),
+                                              int64_t(bytes / 256), sink);
+    });
     row("group_stats", nullptr, 0, merge);
     row("apply_affine", &ta, 2.0 * bytes, apply);
     row("forward", nullptr, 2.0 * bytes, [&] { stats(), merge(), apply(); });

@@ -453,9 +453,10 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks)
 // The mean and rstd of the groups of sample n's channels c0, ..., c0 + V - 1
 // (a thread's vector), as the elementwise and backward passes read them: the
 // group of c0 by one division, the others' by counting on, and every load
-// issued before any is used. A division and a load a channel in turn (the
-// first build) held each warp for V round trips before its first load of x,
-// ~2.5 us at every launch of apply_affine on an H200 (notes v76).
+// issued before any is used. A division and the loads a channel in turn
+// (v75) kept each warp from its first load of x for ~790 instructions with
+// the loads' round trips among them: 0.4-1.3 us a launch of apply_affine on
+// an H200 (notes v76).
 template <int V, typename A>
 __device__ __forceinline__ void channel_stats(const A* mean, const A* var, int64_t n,
                                               int64_t c0, int64_t groups, int64_t group_size,
