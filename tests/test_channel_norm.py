@@ -470,6 +470,10 @@ def test_batch_norm_gradients_float64(training, act):
     # the parameter gradients summed over the samples
     ("instance", (4, 32, 32, 64), 64),
     ("instance", (3, 37, 41, 96), 96),
+    # one group of 2048 channels: the forward's merge keeps the channels in
+    # shared memory (24 KB), the backward's own-statistics merge (y dead) in
+    # global scratch (40 KB, over merge_smem_bytes' 32)
+    ("group", (2, 6, 6, 2048), 1),
 ], ids=str)
 def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
     """Shapes that the CUDA kernels split into many tiles and slabs, merged
@@ -503,6 +507,11 @@ def test_many_tiles_match_float64_and_repeat_bitwise(op, shape, groups):
     want = (f64(*a64[:3]), *jax.vjp(f64, *a64[:3])[1](a64[3]))
     rows = x.size // shape[-1]
     for g, w, scale_ in zip(got, want, (1, 1, np.sqrt(rows), np.sqrt(rows))):
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * scale_)
+    # With y dead (jax.grad's forward) GroupNorm's backward computes the
+    # statistics itself: another pass and merge.
+    dead = jax.jit(lambda x, s, b, dy: jax.vjp(f, x, s, b)[1](dy))(x, scale, bias, dy)
+    for g, w, scale_ in zip(dead, want[1:], (1, np.sqrt(rows), np.sqrt(rows))):
         np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * scale_)
 
 
