@@ -119,7 +119,7 @@ int main() {
     auto launch_apply = [&](auto kernel, const Tiles& tt, int64_t n0, const bf16* xs, bf16* ys) {
       kernel<<<tt.blocks(), kChannelThreads, 0, s>>>(xs, mean + n0 * k.c, var + n0 * k.c,
                                                      ChannelParams<float>{nullptr, nullptr},
-                                                     1, 1e-5, Activation::kNone, tt, ys);
+                                                     FastDiv(1), 1e-5, Activation::kNone, tt, ys);
     };
     CHECK(cudaStreamSynchronize(s));
 

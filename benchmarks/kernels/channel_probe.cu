@@ -147,7 +147,7 @@ int main() {
     };
     auto apply = [&] {
       apply_affine<bf16, bf16, float, V><<<ta.blocks(), kChannelThreads, 0, s>>>(
-          x, mean, var, p, gs, 1e-5, Activation::kNone, ta, y);
+          x, mean, var, p, FastDiv(uint32_t(gs)), 1e-5, Activation::kNone, ta, y);
     };
     auto moments = [&] {
       tile_moments_sums<bf16, bf16, V><<<tm.blocks(), kChannelThreads, 0, s>>>(x, dy, tm, partial);
@@ -236,7 +236,7 @@ int main() {
       std::snprintf(name, sizeof name, "apply_affine rows/%lld", (long long)part);
       row(name, &pa, 2 * moved, [&] {
         apply_affine<bf16, bf16, float, V><<<pa.blocks(), kChannelThreads, 0, s>>>(
-            x, mean, var, p, gs, 1e-5, Activation::kNone, pa, y);
+            x, mean, var, p, FastDiv(uint32_t(gs)), 1e-5, Activation::kNone, pa, y);
       });
     }
     for (bf16* q : {x, dy, y, dx}) CHECK(cudaFree(q));

@@ -48,6 +48,18 @@ ffi::Error zero_outputs(cudaStream_t stream, std::initializer_list<ffi::Result<A
   return ffi::Error::Success();
 }
 
+// A plan whose indices TileThread's 32-bit math cannot hold (2^34 or more
+// rows a sample: more bytes than any GPU has).
+ffi::Error check_tiles(std::initializer_list<const Tiles*> plans) {
+  for (const Tiles* t : plans) {
+    if (!t->fits_index_math()) {
+      return ffi::Error::InvalidArgument("jaxnorm: channel_norm on CUDA: x has " +
+                                         std::to_string(t->rows) + " rows a sample, too many");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error layout_error(const ChannelNormShape& s) {
   return ffi::Error::InvalidArgument(
       "jaxnorm: channel_norm on CUDA takes channels-last x (B == 1), got B = " +
@@ -67,6 +79,7 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
         plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
     const int64_t per = groups_per_block(s.n, s.c, s.group_size, dev);
     const size_t smem = merge_smem_bytes<A>(per, s.group_size, 3);
+    JAXNORM_RETURN_IF_ERROR(check_tiles({&t}));
     A *partial = nullptr, *chan = nullptr;
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
     if (s.group_size > 1 && smem == 0) {
@@ -78,8 +91,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   }
   if (write_y) {
     const Tiles ty = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 0, dev, apply_affine<X, Y, W, V>);
+    JAXNORM_RETURN_IF_ERROR(check_tiles({&ty}));
     apply_affine<X, Y, W, V><<<ty.blocks(), kChannelThreads, 0, stream>>>(
-        x, mean, var, p, s.group_size, epsilon, act, ty, y);
+        x, mean, var, p, FastDiv(uint32_t(s.group_size)), epsilon, act, ty, y);
   }
   return last_launch_error("channel_norm_fwd");
 }
@@ -136,6 +150,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                                          sums * sizeof(A), dev, tile_moments_sums<X, G, V>)
                             : plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G),
                                          sums * sizeof(A), dev, tile_sums<X, G, W, V>);
+  const Tiles tx =
+      plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, W, V>);
+  JAXNORM_RETURN_IF_ERROR(check_tiles({&t, &tx}));
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode == ChannelBwdMode::kFull || mode == ChannelBwdMode::kDx;
   const bool terms_out = mode == ChannelBwdMode::kTerms;  // group_sums' coef, returned
@@ -155,7 +172,7 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     tile_moments_sums<X, G, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, dy, t, partial);
   } else if (from_tiles) {
     tile_sums<X, G, W, V><<<t.blocks(), kChannelThreads, 0, stream>>>(
-        x, dy, p, mean, var, s.group_size, epsilon, act, t, partial);
+        x, dy, p, mean, var, FastDiv(uint32_t(s.group_size)), epsilon, act, t, partial);
   }
   if (dx_out) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 5, &coef));
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out || terms_out,
@@ -168,8 +185,6 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   ParamGrads<A, W> grads;
   if (params_out && !grads_here) grads = {chan, s.n, s.c, dscale, dbias};
   if (dx_out) {
-    const Tiles tx =
-        plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G), 0, dev, apply_dx<X, G, W, V>);
     apply_dx<X, G, W, V><<<tx.blocks(), kChannelThreads, 0, stream>>>(x, dy, coef, act, tx,
                                                                       dx, grads);
   } else if (grads.dscale || grads.dbias) {

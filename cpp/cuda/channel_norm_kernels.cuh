@@ -52,8 +52,18 @@ struct Tiles {
   int row_sets = 1;                // R: rows a block takes at a time, a chunk
   int64_t slabs = 1;               // blocks across a row
   int64_t tiles = 1;               // T: blocks for each (n, slab)
+  int64_t chunk_count = 0;         // chunks of R rows in a sample's rows
+  // Divisions by tiles, slabs and lanes_per_block for TileThread's index math.
+  FastDiv by_tiles, by_slabs, by_lanes;
   int64_t blocks() const { return n * slabs * tiles; }
-  __host__ __device__ int64_t chunks() const { return (rows + row_sets - 1) / row_sets; }
+  __host__ __device__ int64_t chunks() const { return chunk_count; }
+  // TileThread's and channel_stats' 32-bit index math holds: blocks, chunks
+  // and channels below 2^31 (a sample of 2^34 rows or more would not fit in
+  // any GPU's memory).
+  bool fits_index_math() const {
+    const int64_t limit = int64_t(1) << 31;
+    return blocks() < limit && chunk_count < limit && c < limit;
+  }
 };
 
 // The tiling of x (N, A, C) = (n, rows, c) with V channels a thread for a
@@ -72,6 +82,7 @@ Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
   t.slabs = (t.lanes + 31) / 32;
   t.lanes_per_block = int((t.lanes + t.slabs - 1) / t.slabs);
   t.row_sets = kChannelThreads / t.lanes_per_block;
+  t.chunk_count = (rows + t.row_sets - 1) / t.row_sets;
   const int64_t wave = int64_t(blocks_per_sm(kernel, kChannelThreads, 0, dev)) * dev.sms;
   int64_t tiles = wave / (t.n * t.slabs);
   tiles = tiles > t.chunks() ? t.chunks() : tiles;
@@ -80,6 +91,9 @@ Tiles plan_tiles(int64_t n, int64_t rows, int64_t c, int vec, size_t x_bytes,
     tiles = tiles > by_bytes ? by_bytes : tiles;
   }
   t.tiles = tiles < 1 ? 1 : tiles;
+  t.by_tiles = FastDiv(uint32_t(t.tiles));
+  t.by_slabs = FastDiv(uint32_t(t.slabs));
+  t.by_lanes = FastDiv(uint32_t(t.lanes_per_block));
   return t;
 }
 
@@ -95,20 +109,25 @@ struct TileThread {
   int64_t first, stride, count;
   bool active;
 
+  // All in 32 bits (Tiles::fits_index_math) with FastDiv: six 64-bit
+  // divisions in turn before a block's first load cost 0.2-0.9 us a launch
+  // of the tile kernels on an H200 (notes v77).
   __device__ TileThread(const Tiles& t, Sweep sweep) {
-    const int64_t b = blockIdx.x;
-    tile = b % t.tiles;
-    const int64_t rest = b / t.tiles;
-    n = rest / t.slabs;
-    const int local = int(threadIdx.x) % t.lanes_per_block;
-    set = int(threadIdx.x) / t.lanes_per_block;
-    lane = (rest % t.slabs) * t.lanes_per_block + local;
+    const uint32_t b = blockIdx.x, rest = t.by_tiles.div(b), nn = t.by_slabs.div(rest);
+    tile = b - rest * uint32_t(t.tiles);
+    n = nn;
+    const uint32_t slab = rest - nn * uint32_t(t.slabs), tid = threadIdx.x;
+    set = int(t.by_lanes.div(tid));
+    const int local = int(tid) - set * t.lanes_per_block;
+    lane = int64_t(slab) * t.lanes_per_block + local;
     active = set < t.row_sets && lane < t.lanes;
     // Its chunks: tile, tile + T, ... up, or counted from the last chunk
     // down; the same number either way.
     const int64_t chunks = t.chunks(), top = chunks - 1 - tile;
-    count = active && top >= 0 ? top / t.tiles + 1 : 0;
-    const int64_t low = sweep == Sweep::kUp ? tile : top % t.tiles;  // its lowest chunk
+    const uint32_t above = top >= 0 ? t.by_tiles.div(uint32_t(top)) : 0;  // top / T
+    count = active && top >= 0 ? int64_t(above) + 1 : 0;
+    const int64_t low =  // its lowest chunk
+        sweep == Sweep::kUp ? tile : top - int64_t(above) * t.tiles;
     stride = (sweep == Sweep::kUp ? 1 : -1) * t.tiles * t.row_sets;
     first = (sweep == Sweep::kUp ? low : low + (count - 1) * t.tiles) * t.row_sets + set;
     // The last chunk may be short of rows: its missing row is this thread's
@@ -452,16 +471,17 @@ __global__ void __launch_bounds__(kChannelThreads, kMinBlocks)
 
 // The mean and rstd of the groups of sample n's channels c0, ..., c0 + V - 1
 // (a thread's vector), as the elementwise and backward passes read them: the
-// group of c0 by one division, the others' by counting on, and every load
-// issued before any is used. A division and the loads a channel in turn
-// (v75) kept each warp from its first load of x for ~790 instructions with
-// the loads' round trips among them: 0.4-1.3 us a launch of apply_affine on
-// an H200 (notes v76).
+// group of c0 by one division (FastDiv: C < 2^31), the others' by counting
+// on, and every load issued before any is used. A division and the loads a
+// channel in turn (v75) kept each warp from its first load of x for ~790
+// instructions with the loads' round trips among them: 0.4-1.3 us a launch
+// of apply_affine on an H200 (notes v76).
 template <int V, typename A>
 __device__ __forceinline__ void channel_stats(const A* mean, const A* var, int64_t n,
-                                              int64_t c0, int64_t groups, int64_t group_size,
+                                              int64_t c0, int64_t c, const FastDiv& by_group,
                                               double epsilon, A (&mu)[V], A (&rstd)[V]) {
-  int64_t g = c0 / group_size, r = c0 - g * group_size;
+  const int64_t group_size = by_group.d, groups = by_group.div(uint32_t(c));
+  int64_t g = by_group.div(uint32_t(c0)), r = c0 - g * group_size;
   int64_t at[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
@@ -479,7 +499,7 @@ __device__ __forceinline__ void channel_stats(const A* mean, const A* var, int64
 template <typename X, typename G, typename W, int V>
 __global__ void __launch_bounds__(kChannelThreads) tile_sums(
     const X* x, const G* dy, ChannelParams<W> p, const acc_t<X>* mean,
-    const acc_t<X>* var, int64_t group_size, double epsilon, Activation act, Tiles t,
+    const acc_t<X>* var, FastDiv by_group, double epsilon, Activation act, Tiles t,
     acc_t<X>* partial) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * V * 2];
@@ -494,8 +514,7 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
       w[e] = act != Activation::kNone ? p.template w<A>(me.lane * V + e) : A(0);
       b[e] = act != Activation::kNone ? p.template b<A>(me.lane * V + e) : A(0);
     }
-    channel_stats<V>(mean, var, me.n, me.lane * V, t.c / group_size, group_size, epsilon, mu,
-                     rstd);
+    channel_stats<V>(mean, var, me.n, me.lane * V, t.c, by_group, epsilon, mu, rstd);
     // Its terms before its rows: loaded after the first rows' loads (as
     // apply_affine's), the UNet's tile_sums with SiLU ran 16% slower (notes
     // v76).
@@ -701,7 +720,7 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
 template <typename X, typename Y, typename W, int V, bool kEvictFirst = true>
 __global__ void __launch_bounds__(kChannelThreads) apply_affine(
     const X* x, const acc_t<X>* mean, const acc_t<X>* var, ChannelParams<W> p,
-    int64_t group_size, double epsilon, Activation act, Tiles t, Y* y) {
+    FastDiv by_group, double epsilon, Activation act, Tiles t, Y* y) {
   using A = acc_t<X>;
   const TileThread me(t, Sweep::kUp);
   if (!me.active) return;
@@ -712,8 +731,7 @@ __global__ void __launch_bounds__(kChannelThreads) apply_affine(
     for (int e = 0; e < V; ++e) {
       a[e] = p.template w<A>(me.lane * V + e), b[e] = p.template b<A>(me.lane * V + e);
     }
-    channel_stats<V>(mean, var, me.n, me.lane * V, t.c / group_size, group_size, epsilon, mu,
-                     rstd);
+    channel_stats<V>(mean, var, me.n, me.lane * V, t.c, by_group, epsilon, mu, rstd);
 #pragma unroll
     for (int e = 0; e < V; ++e) a[e] *= rstd[e], b[e] -= mu[e] * a[e];
   };

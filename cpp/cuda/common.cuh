@@ -364,6 +364,28 @@ __device__ __forceinline__ int row_first_warp(int tpr) {
   return tpr >= 32 ? warp - warp % (tpr / 32) : warp;
 }
 
+// Division of n < 2^31 by a divisor d >= 1 fixed at launch, by a multiply-high
+// and a shift (Granlund and Montgomery's method, the divisor's multiplier
+// worked out on the host). A 64-bit division in a kernel is ~25 instructions
+// and three long-latency conversions on its 32-bit fast path; a block's
+// index math took six of them in turn before its first load (notes v77).
+struct FastDiv {
+  uint32_t d = 1, mul = 1, shift = 0;
+  FastDiv() = default;
+  __host__ explicit FastDiv(uint32_t divisor) : d(divisor) {
+    while ((uint64_t(1) << shift) < d) ++shift;
+    mul = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d)) / d + 1);
+  }
+  __host__ __device__ uint32_t div(uint32_t n) const {
+#ifdef __CUDA_ARCH__
+    const uint32_t hi = __umulhi(n, mul);
+#else
+    const uint32_t hi = uint32_t((uint64_t(n) * mul) >> 32);
+#endif
+    return (hi + n) >> shift;  // hi <= n < 2^31: no overflow
+  }
+};
+
 // Sums K values over a warp with an xor butterfly, which leaves the same bits
 // in every lane (each adds the same two halves, a + b = b + a).
 template <int K, typename A>

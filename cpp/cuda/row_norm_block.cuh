@@ -432,19 +432,21 @@ cudaError_t launch_fwd_cluster(cudaStream_t stream, const DeviceInfo& dev, const
 // about a block an SM (1 to 34 rows; RMSNorm 1 row 7.8 -> 3.8 us), 2 up to a
 // row an SM (128 rows, against one block: RMSNorm 9.2 -> 8.1, LayerNorm
 // 12.4 -> 10.8), 4 beyond (512 rows: RMSNorm 44.5 -> 35.2, LayerNorm 54.8 ->
-// 41.3). Where DRAM is slow, 8 in place of 4 where each of the 8 blocks
-// still holds 4 warps (rows of 6145-8192 vectors); on H100s (v55): 512x65536
-// RMSNorm 47.3 -> 46.7, LayerNorm 50.3 -> 49.3, 1024x57344 80.8 -> 80.0 and
-// 83.5 -> 82.6, 34x65536 5.0 -> 4.5 and 6.2 -> 5.6; with blocks of 3 warps
-// (40960 and 49152 wide) it tied or lost up to 3%, and 2 stays best at
-// 128 rows (8 blocks: 8.7 -> 9.3).
+// 41.3). 8 in place of 4 where each of the 8 blocks still holds 4 warps
+// (rows of 6145-8192 vectors): on H100s (v55) 512x65536 RMSNorm 47.3 ->
+// 46.7, LayerNorm 50.3 -> 49.3, 1024x57344 80.8 -> 80.0 and 83.5 -> 82.6,
+// 34x65536 5.0 -> 4.5 and 6.2 -> 5.6; on an H200 (v77) 512x65536 RMSNorm
+// 35.4 -> 35.1, LayerNorm 41.1 -> 40.3, 34x65536 4.8 -> 4.3 and 6.2 -> 5.6,
+// but LayerNorm 2048x65536 149.2 -> 150.1. With blocks of 3 warps (40960
+// and 49152 wide) it tied or lost up to 3%, and 2 stays best at 128 rows
+// (8 blocks: 8.7 -> 9.3).
 inline int fwd_cluster_parts(int64_t rows, int64_t row_vecs, const DeviceInfo& dev) {
   const int64_t sms = dev.sms;
   if (!dev.clusters) return 0;
   if (4 * rows > sms + sms / 4 && rows <= sms) return 2;
   const int64_t slice = (row_vecs + kMaxClusterParts - 1) / kMaxClusterParts;
   const bool four_warps = threads_per_row(slice, 8) == 4 * 32;
-  return dram_is_slow(dev) && four_warps ? kMaxClusterParts : 4;
+  return four_warps ? kMaxClusterParts : 4;
 }
 
 // Vectors a thread with which fwd_block serves a launch, or 0 where it does
