@@ -261,13 +261,12 @@ def test_long_rows_with_one_parameter_or_none(op, shape):
 # number of a thread's vectors nor of a column block's (7x2052 float32: 513
 # vectors), float16 and float64 rows, 300 rows (each thread of a column block
 # takes 5); a block smaller than a warp (generic kernels); rows too long for
-# the decode kernels (3x65536: the forward a cluster of 4 blocks of 8
-# vectors a thread, 8 where DRAM is slow; the backward a cluster of 8 blocks
-# a row). Over 528 rows:
+# the decode kernels (3x65536: the forward a cluster of 8 blocks of 8
+# vectors a thread; the backward a cluster of 8 blocks a row). Over 528 rows:
 # one block a row at 1024-32768 wide (4 vectors a thread with y, 2 at 1024
 # wide for RMSNorm and the adds, and for LayerNorm where DRAM is slow; 8 for
-# statistics only; with y, 8 at 32768), at 65536 a cluster of 4 blocks a
-# row (8 where DRAM is slow); the backward of rows over 2048 vectors in
+# statistics only; with y, 8 at 32768), at 65536 a cluster of 8 blocks a
+# row; the backward of rows over 2048 vectors in
 # clusters of 2-8 blocks, each a slice of the row (LayerNorm bf16: 3 at 32768,
 # 8 at 65536; RMSNorm: 4 and 8), slices of unequal length (16392 bf16: 2049
 # vectors, LayerNorm 2 slices, RMSNorm 4; 8196 float32); float32 parameters
@@ -315,7 +314,7 @@ PLAN_CASES = [
     # long rows with a partial last block of vectors; rows beyond a block's
     # reach. The forward of rows of 4097-8192 vectors on sm_90: a cluster of 4
     # blocks a row (9, 40 and 140 rows, 3 float32 rows of 5000 vectors; 8
-    # where DRAM is slow and the row is over 6144 vectors) or 2 (50 rows,
+    # where the row is over 6144 vectors) or 2 (50 rows,
     # the slices 2561 and 2560 vectors; 100 rows); one block a row without
     # clusters. LayerNorm's backward of 50 and 100 bf16 rows in
     # clusters of 4 blocks of up to 384 threads, not 8 (the last slice 1150
@@ -354,10 +353,10 @@ PLAN_CASES = [
     # slices of 1024 vectors, at most 40 rows a cluster, held in such slices
     # (rms_held_split: 540x32768, 530x24576 and 530x65536 above; 150x65536,
     # 140x65528 and 130x24568 below, the last slices 1023 vectors).
-    # The forward of rows of 6145-8192 vectors in clusters of 8 blocks, not
-    # 4 (3x65536 and 530x65536 above; 7501 vectors: slices of 938, the last
-    # 935, over and under 132 rows; 40x49160 and 140x49160 above, 6145
-    # vectors, take 8 too). LayerNorm's backward split into slices of at most
+    # The forward of rows of 6145-8192 vectors, on every GPU, in clusters of
+    # 8 blocks, not 4 (3x65536 and 530x65536 above; 7501 vectors: slices of
+    # 938, the last 935, over and under 132 rows; 40x49160 and 140x49160
+    # above, 6145 vectors, take 8 too). LayerNorm's backward split into slices of at most
     # 256 threads holds its first pass's xhat and dy for the second (bwd_regs'
     # kHold): 150x60008 for bfloat16; float16 below, with float16 and float32
     # parameters (8191 vectors: slices of 1024, the last 1023); where DRAM is
