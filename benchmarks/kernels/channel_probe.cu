@@ -127,11 +127,11 @@ int main() {
                                 tile_moments_sums<bf16, bf16, V>);
     const Tiles tx = plan_tiles(k.n, k.rows, k.c, V, 2 * sizeof(bf16), 0, dev,
                                 apply_dx<bf16, bf16, float, V>);
-    const int64_t per = groups_per_block(k.n, k.c, gs, dev);
-    const int64_t gblocks = k.n * ((k.groups + per - 1) / per);
+    const GroupChunks chunks = plan_group_chunks(k.n, k.c, gs, dev);
+    const int64_t gblocks = chunks.blocks(k.n);
     // The merges' buffers in shared memory where they fit (null chan, own).
-    const size_t smem3 = merge_smem_bytes<float>(per, gs, 3);
-    const size_t smem5 = merge_smem_bytes<float>(per, gs, 5);
+    const size_t smem3 = merge_smem_bytes<float>(chunks, 3);
+    const size_t smem5 = merge_smem_bytes<float>(chunks, 5);
     const GroupSumsMode full{true, false, true, false, true};
     ParamGrads<float, float> grads;
     if (k.n > 1) grads = {chan, k.n, k.c, dscale, dbias};
@@ -143,7 +143,7 @@ int main() {
     };
     auto merge = [&] {
       group_stats<bf16><<<gblocks, kChannelThreads, smem3, s>>>(partial, smem3 ? nullptr : chan,
-                                                               ts, gs, per, mean, var);
+                                                               ts, chunks, mean, var);
     };
     auto apply = [&] {
       apply_affine<bf16, bf16, float, V><<<ta.blocks(), kChannelThreads, 0, s>>>(
@@ -154,7 +154,7 @@ int main() {
     };
     auto sums = [&] {
       group_sums<bf16, float><<<gblocks, kChannelThreads, smem5, s>>>(
-          partial, chan, p, mean, var, nullptr, tm, gs, per, 1e-5, full, nullptr, coef, ds, db,
+          partial, chan, p, mean, var, nullptr, tm, chunks, 1e-5, full, nullptr, coef, ds, db,
           smem5 ? nullptr : own);
     };
     auto dx_pass = [&] {
@@ -176,7 +176,7 @@ int main() {
     auto rate = [&](double moved, float us) { return moved / us / 1e3; };
     std::printf("\n%s (x %.1f MB; %lld groups a merge block, %lld blocks): copy %.1f µs "
                 "(%.0f GB/s), read %.1f µs (%.0f GB/s)\n",
-                k.name, bytes / 1e6, (long long)per, (long long)gblocks, copy,
+                k.name, bytes / 1e6, (long long)chunks.per, (long long)gblocks, copy,
                 rate(2.0 * bytes, copy), read, rate(bytes, read));
     auto row = [&](const char* name, const Tiles* t, double moved, auto&& launch) {
       const float us = time_us(s, launch);

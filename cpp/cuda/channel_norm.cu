@@ -9,10 +9,6 @@
 namespace jaxnorm::cuda {
 namespace {
 
-int64_t group_blocks(const ChannelNormShape& s, int64_t per) {
-  return s.n * ((s.groups + per - 1) / per);
-}
-
 // Scratch of `count` values of A, in one allocation per call (kept in order).
 template <typename A>
 ffi::Error scratch_of(ffi::ScratchAllocator& scratch, int64_t count, A** out) {
@@ -77,8 +73,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if (!given) {
     const Tiles t =
         plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);
-    const int64_t per = groups_per_block(s.n, s.c, s.group_size, dev);
-    const size_t smem = merge_smem_bytes<A>(per, s.group_size, 3);
+    const GroupChunks chunks = plan_group_chunks(s.n, s.c, s.group_size, dev);
+    const size_t smem = merge_smem_bytes<A>(chunks, 3);
     JAXNORM_RETURN_IF_ERROR(check_tiles({&t}));
     A *partial = nullptr, *chan = nullptr;
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * 3, &partial));
@@ -86,8 +82,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
       JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, s.n * s.c * 3, &chan));
     }
     tile_stats<X, V><<<t.blocks(), kChannelThreads, 0, stream>>>(x, t, partial);
-    group_stats<X><<<group_blocks(s, per), kChannelThreads, smem, stream>>>(
-        partial, chan, t, s.group_size, per, mean, var);
+    group_stats<X><<<chunks.blocks(s.n), kChannelThreads, smem, stream>>>(partial, chan, t,
+                                                                         chunks, mean, var);
   }
   if (write_y) {
     const Tiles ty = plan_tiles(s.n, s.a, s.c, V, sizeof(X), 0, dev, apply_affine<X, Y, W, V>);
@@ -156,10 +152,10 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   const bool from_tiles = mode != ChannelBwdMode::kDx || params_out;
   const bool dx_out = mode == ChannelBwdMode::kFull || mode == ChannelBwdMode::kDx;
   const bool terms_out = mode == ChannelBwdMode::kTerms;  // group_sums' coef, returned
-  const int64_t per = groups_per_block(s.n, s.c, s.group_size, dev);
+  const GroupChunks chunks = plan_group_chunks(s.n, s.c, s.group_size, dev);
   // for_groups_merged's buffer of the channels' merged tiles (groups of
   // several, with own_stats): shared memory where it fits, else own.
-  const size_t smem = own_stats ? merge_smem_bytes<A>(per, s.group_size, 5) : 0;
+  const size_t smem = own_stats ? merge_smem_bytes<A>(chunks, 5) : 0;
   A *partial = nullptr, *chan = nullptr, *coef = terms_out ? sums_out : nullptr, *own = nullptr;
   if (from_tiles) {
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, t.blocks() / t.slabs * s.c * sums, &partial));
@@ -178,9 +174,9 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   const GroupSumsMode gmode{from_tiles, mode == ChannelBwdMode::kSums, dx_out || terms_out,
                             terms_out, own_stats};
   const bool grads_here = params_out && s.n == 1;  // group_sums writes them
-  group_sums<X, W><<<group_blocks(s, per), kChannelThreads, smem, stream>>>(
-      partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t,
-      s.group_size, per, epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
+  group_sums<X, W><<<chunks.blocks(s.n), kChannelThreads, smem, stream>>>(
+      partial, chan, p, mean, var, mode == ChannelBwdMode::kDx ? means : nullptr, t, chunks,
+      epsilon, gmode, sums_out, coef, grads_here ? dscale : nullptr,
       grads_here ? dbias : nullptr, own);
   ParamGrads<A, W> grads;
   if (params_out && !grads_here) grads = {chan, s.n, s.c, dscale, dbias};

@@ -537,17 +537,46 @@ __global__ void __launch_bounds__(kChannelThreads) tile_sums(
   for (int e = 0; e < V; ++e) dst[2 * e] = sums[e][0], dst[2 * e + 1] = sums[e][1];
 }
 
-// The groups a block of group_stats or group_sums covers: blocks are
-// (n, chunk of groups), `groups_per_block` groups each (at most
-// kGroupsPerBlock).
+// Groups a group_stats / group_sums block covers for x (n, ., c): whole
+// groups, about as many channels as give each of twice the SMs' blocks a
+// share, at most kGroupsPerBlock (the merges of one channel's tiles spread
+// over the block's threads: merge_channel_tiles).
 constexpr int kGroupsPerBlock = 64;
+__host__ inline int64_t groups_per_block(int64_t n, int64_t c, int64_t group_size,
+                                         const DeviceInfo& dev) {
+  const int64_t channels = (n * c + 2 * dev.sms - 1) / (2 * dev.sms);
+  const int64_t groups = (channels + group_size - 1) / group_size;
+  return groups < 1 ? 1 : groups > kGroupsPerBlock ? kGroupsPerBlock : groups;
+}
+
+// How group_stats and group_sums split x's (n, group) over their blocks:
+// (n, chunk of `per` groups), the chunks of a sample divided by FastDiv as
+// TileThread's rows are (64-bit divisions before a merge's first load, notes
+// v78).
+struct GroupChunks {
+  int64_t groups = 1, group_size = 1, per = 1;
+  FastDiv by_chunks;  // chunks a sample
+  int64_t blocks(int64_t n) const { return n * int64_t(by_chunks.d); }
+};
+
+__host__ inline GroupChunks plan_group_chunks(int64_t n, int64_t c, int64_t group_size,
+                                              const DeviceInfo& dev) {
+  GroupChunks g;
+  g.group_size = group_size;
+  g.groups = c / group_size;
+  g.per = groups_per_block(n, c, group_size, dev);
+  g.by_chunks = FastDiv(uint32_t((g.groups + g.per - 1) / g.per));
+  return g;
+}
+
+// The groups [first, first + count) of sample n a merge block covers.
 struct GroupChunk {
-  int64_t n, first, count;  // the chunk's groups [first, first + count)
-  __device__ GroupChunk(int64_t groups, int64_t groups_per_block) {
-    const int64_t chunks = (groups + groups_per_block - 1) / groups_per_block;
-    n = blockIdx.x / chunks;
-    first = (blockIdx.x % chunks) * groups_per_block;
-    count = min(groups_per_block, groups - first);
+  int64_t n, first, count;
+  __device__ explicit GroupChunk(const GroupChunks& g) {
+    const uint32_t b = blockIdx.x, nn = g.by_chunks.div(b);
+    n = nn;
+    first = int64_t(b - nn * g.by_chunks.d) * g.per;
+    count = min(g.per, g.groups - first);
   }
 };
 
@@ -631,25 +660,14 @@ __device__ void warp_combine(int64_t group_size, F&& load, A (&out)[K]) {
   }
 }
 
-// Groups a group_stats / group_sums block covers for x (n, ., c): whole
-// groups, about as many channels as give each of twice the SMs' blocks a
-// share, at most kGroupsPerBlock (the merges of one channel's tiles spread
-// over the block's threads: merge_channel_tiles).
-__host__ inline int64_t groups_per_block(int64_t n, int64_t c, int64_t group_size,
-                                         const DeviceInfo& dev) {
-  const int64_t channels = (n * c + 2 * dev.sms - 1) / (2 * dev.sms);
-  const int64_t groups = (channels + group_size - 1) / group_size;
-  return groups < 1 ? 1 : groups > kGroupsPerBlock ? kGroupsPerBlock : groups;
-}
-
 // Dynamic shared memory a merge block's for_groups_merged keeps its
 // channels' K values in (merge_smem_bytes), if it fits beside the kernels'
 // static arrays in the 48 KB a block gets without opting in; 0: they go
 // through global scratch.
 template <typename A>
-__host__ inline size_t merge_smem_bytes(int64_t groups_per_block, int64_t group_size, int k) {
-  const size_t bytes = size_t(groups_per_block * group_size) * k * sizeof(A);
-  return group_size > 1 && bytes <= 32 * 1024 ? bytes : 0;
+__host__ inline size_t merge_smem_bytes(const GroupChunks& g, int k) {
+  const size_t bytes = size_t(g.per * g.group_size) * k * sizeof(A);
+  return g.group_size > 1 && bytes <= 32 * 1024 ? bytes : 0;
 }
 
 // The chunk's groups of several channels, a warp each: their tiles merged
@@ -663,10 +681,10 @@ __host__ inline size_t merge_smem_bytes(int64_t groups_per_block, int64_t group_
 // the block calls it.
 template <int K, typename A, typename In, typename Body>
 __device__ void for_groups_merged(const A* partial, A* chan, const GroupChunk& chunk,
-                                  const Tiles& t, int64_t group_size, A* shared, In&& in,
+                                  const Tiles& t, const GroupChunks& chunks, A* shared, In&& in,
                                   Body&& body) {
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
-  const int64_t groups = t.c / group_size, first_c = chunk.first * group_size;
+  const int64_t group_size = chunks.group_size, first_c = chunk.first * group_size;
   A* buf = chan ? chan + (chunk.n * t.c + first_c) * K : reinterpret_cast<A*>(dyn);
   merge_channel_tiles<K>(partial, chunk.n, first_c, chunk.count * group_size, t, shared,
                          [&](int64_t c, const A (&merged)[K]) {
@@ -675,7 +693,7 @@ __device__ void for_groups_merged(const A* partial, A* chan, const GroupChunk& c
   });
   __syncthreads();  // buf, written by the block's threads above
   for (int64_t k = threadIdx.x / 32; k < chunk.count; k += kChannelThreads / 32) {
-    const int64_t at = chunk.n * groups + chunk.first + k, c0 = first_c + k * group_size;
+    const int64_t at = chunk.n * chunks.groups + chunk.first + k, c0 = first_c + k * group_size;
     const A* src = buf + k * group_size * K;
     A m[K];
     warp_combine<K>(group_size, [&](int64_t c, A (&v)[K]) { in(c0 + c, src + K * c, v); }, m);
@@ -691,12 +709,12 @@ __device__ void for_groups_merged(const A* partial, A* chan, const GroupChunk& c
 // fewer in a kernel that is a dependent chain (notes v51).
 template <typename X>
 __global__ void __launch_bounds__(kChannelThreads) group_stats(
-    const acc_t<X>* partial, acc_t<X>* chan, Tiles t, int64_t group_size,
-    int64_t groups_per_block, acc_t<X>* mean, acc_t<X>* var) {
+    const acc_t<X>* partial, acc_t<X>* chan, Tiles t, GroupChunks chunks, acc_t<X>* mean,
+    acc_t<X>* var) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * 3];
-  const int64_t groups = t.c / group_size;
-  const GroupChunk chunk(groups, groups_per_block);
+  const int64_t groups = chunks.groups, group_size = chunks.group_size;
+  const GroupChunk chunk(chunks);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
   if (group_size == 1) {
     merge_channel_tiles<3>(partial, chunk.n, first_c, channels, t, shared,
@@ -706,7 +724,7 @@ __global__ void __launch_bounds__(kChannelThreads) group_stats(
     });
     return;
   }
-  for_groups_merged<3>(partial, chan, chunk, t, group_size, shared,
+  for_groups_merged<3>(partial, chan, chunk, t, chunks, shared,
                        [](int64_t, const A* src, A (&in)[3]) {
     in[0] = src[0], in[1] = src[1], in[2] = src[2];
   }, [&](int64_t at, int64_t, const A*, const A (&m)[3]) {
@@ -776,13 +794,13 @@ struct GroupSumsMode {
 template <typename X, typename W>
 __global__ void __launch_bounds__(kChannelThreads) group_sums(
     const acc_t<X>* partial, acc_t<X>* chan, ChannelParams<W> p, const acc_t<X>* mean,
-    const acc_t<X>* var, const acc_t<X>* means, Tiles t, int64_t group_size,
-    int64_t groups_per_block, double epsilon, GroupSumsMode mode, acc_t<X>* sums_out,
-    acc_t<X>* coef, W* dscale, W* dbias, acc_t<X>* own) {
+    const acc_t<X>* var, const acc_t<X>* means, Tiles t, GroupChunks chunks, double epsilon,
+    GroupSumsMode mode, acc_t<X>* sums_out, acc_t<X>* coef, W* dscale, W* dbias,
+    acc_t<X>* own) {
   using A = acc_t<X>;
   __shared__ A shared[kChannelThreads * 5];
-  const int64_t groups = t.c / group_size;
-  const GroupChunk chunk(groups, groups_per_block);
+  const int64_t groups = chunks.groups, group_size = chunks.group_size;
+  const GroupChunk chunk(chunks);
   const int64_t first_c = chunk.first * group_size, channels = chunk.count * group_size;
   const A count = A(t.rows * group_size);
   auto rstd_of = [&](A v) { return rsqrt_acc(v + A(epsilon)); };
@@ -837,7 +855,7 @@ __global__ void __launch_bounds__(kChannelThreads) group_sums(
   if (mode.own_stats) {  // groups of several channels
     // The group's moments, and its sums of g and g (x - mean) (scaled
     // channel by channel before the merge moves them to the group's mean).
-    for_groups_merged<5>(partial, own, chunk, t, group_size, shared,
+    for_groups_merged<5>(partial, own, chunk, t, chunks, shared,
                          [&](int64_t c, const A* src, A (&in)[5]) {
       const A w = p.template w<A>(c);
       in[0] = src[0], in[1] = src[1], in[2] = src[2], in[3] = w * src[3], in[4] = w * src[4];
