@@ -5,7 +5,7 @@
 // GroupNorm shapes: each kernel timed alone and each direction's launches
 // together (CUDA graphs and events), against a device-to-device copy and a
 // read-only pass of x (and of 1/16 of it, and an empty kernel: what a
-// launch costs), with a trial form of tile_stats beside it (notes v76).
+// launch costs), with trial forms of tile_stats beside it (notes v76, v78).
 // With PROBE=1 each timed sequence runs three times
 // instead, for a profiler:
 //
@@ -25,8 +25,12 @@ using bf16 = __nv_bfloat16;
 // Trial: tile_stats with its row sets merged in one step instead of a tree
 // (log2 R levels, two barriers each): every thread's (count, mean, M2) into
 // shared memory, one barrier, then a thread per (lane, channel) of the block
-// merges the R sets in order.
-template <int V, int kR = 8>
+// merges the R sets in order (kSplit false). With kSplit the block's spare
+// threads share that: each (lane, channel) takes 256 / (its lanes' channels)
+// threads (at most R), each merging a run of consecutive sets in order, and
+// the first of them merges the runs' results in order after one more
+// barrier: a chain of R / splits + splits merges in place of R (notes v78).
+template <int V, bool kSplit, int kR = 8>
 __global__ void __launch_bounds__(kChannelThreads, 2)
     tile_stats_one_merge(const bf16* x, Tiles t, float* partial) {
   using A = float;
@@ -55,22 +59,42 @@ __global__ void __launch_bounds__(kChannelThreads, 2)
   __syncthreads();
   const int items = t.lanes_per_block * V;
   const int64_t slab = (int64_t(blockIdx.x) / t.tiles) % t.slabs;
-  for (int item = tid; item < items; item += kChannelThreads) {
-    const int local = item % t.lanes_per_block, e = item / t.lanes_per_block;
-    const int64_t lane = slab * t.lanes_per_block + local;
-    if (lane >= t.lanes) continue;
-    A out[3] = {0, 0, 0};
-#pragma unroll 4
-    for (int set = 0; set < t.row_sets; ++set) {
+  const int room = kChannelThreads / items;  // threads a (lane, channel), at least 1
+  const int splits = !kSplit ? 1 : room < t.row_sets ? room : t.row_sets;
+  const int run = (t.row_sets + splits - 1) / splits;  // sets a split
+  const int item = tid % items, split = tid / items;
+  const int local = item % t.lanes_per_block, e = item / t.lanes_per_block;
+  const int64_t lane = slab * t.lanes_per_block + local;
+  A out[3] = {0, 0, 0};
+  if (split < splits) {
+    const int end = (split + 1) * run < t.row_sets ? (split + 1) * run : t.row_sets;
+    for (int set = split * run; set < end; ++set) {
       const int from = set * t.lanes_per_block + local;
       const A in[3] = {shared[(e * 3) * kChannelThreads + from],
                        shared[(e * 3 + 1) * kChannelThreads + from],
                        shared[(e * 3 + 2) * kChannelThreads + from]};
       combine<3>(out, in);
     }
-    A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + lane * V + e) * 3;
-    dst[0] = out[0], dst[1] = out[1], dst[2] = out[2];
   }
+  if (splits > 1) {
+    __syncthreads();  // every run read before the slots are reused
+    if (split < splits) {
+#pragma unroll
+      for (int k = 0; k < 3; ++k) shared[k * kChannelThreads + tid] = out[k];
+    }
+    __syncthreads();
+    if (split == 0) {
+      for (int r = 1; r < splits; ++r) {
+        const int from = r * items + item;
+        const A in[3] = {shared[from], shared[kChannelThreads + from],
+                         shared[2 * kChannelThreads + from]};
+        combine<3>(out, in);
+      }
+    }
+  }
+  if (split != 0 || lane >= t.lanes) return;
+  A* dst = partial + ((me.n * t.tiles + me.tile) * t.c + lane * V + e) * 3;
+  dst[0] = out[0], dst[1] = out[1], dst[2] = out[2];
 }
 
 __global__ void empty_kernel() {}
@@ -188,13 +212,12 @@ int main() {
       std::printf("\n");
     };
     row("tile_stats", &ts, bytes, stats);
-    {  // the trial, its results against tile_stats' (a different merge order)
-      const size_t np = size_t(ts.blocks() / ts.slabs) * k.c * 3;
-      stats();
-      const std::vector<float> want = to_host(partial, np, false);
-      row("tile_stats one merge", &ts, bytes, [&] {
-        tile_stats_one_merge<V><<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
-      });
+    // the trials, their results against tile_stats' (a different merge order)
+    const size_t np = size_t(ts.blocks() / ts.slabs) * k.c * 3;
+    stats();
+    const std::vector<float> want = to_host(partial, np, false);
+    auto trial = [&](const char* name, auto launch) {
+      row(name, &ts, bytes, launch);
       CHECK(cudaStreamSynchronize(s));
       const std::vector<float> got = to_host(partial, np, false);
       RelativeError mean_err, m2_err;
@@ -203,10 +226,16 @@ int main() {
         mean_err.add(got[i + 1], want[i + 1]);
         m2_err.add(got[i + 2], want[i + 2]);
       }
-      std::printf("  (one merge against the tree: mean %.1e, M2 %.1e relative)\n",
-                  mean_err.value(), m2_err.value());
-      stats(), merge();  // the tree's, for the kernels after
-    }
+      std::printf("  (against the tree: mean %.1e, M2 %.1e relative)\n", mean_err.value(),
+                  m2_err.value());
+    };
+    trial("tile_stats one merge", [&] {
+      tile_stats_one_merge<V, false><<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
+    });
+    trial("tile_stats split merge", [&] {
+      tile_stats_one_merge<V, true><<<ts.blocks(), kChannelThreads, 0, s>>>(x, ts, partial);
+    });
+    stats(), merge();  // the tree's, for the kernels after
     row("empty kernel", nullptr, 0, [&] { empty_kernel<<<1, 32, 0, s>>>(); });
     row("read_only rows/16", nullptr, bytes / 16.0, [&] {
       read_only<<<dev.sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(x),
