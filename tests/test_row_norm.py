@@ -265,8 +265,9 @@ def test_long_rows_with_one_parameter_or_none(op, shape):
 # vectors a thread; the backward a cluster of 8 blocks a row). Over 528 rows:
 # one block a row at 1024-32768 wide (4 vectors a thread with y, 2 at 1024
 # wide for RMSNorm and the adds, and for LayerNorm where DRAM is slow; 8 for
-# statistics only; with y, 8 at 32768), at 65536 a cluster of 8 blocks a
-# row; the backward of rows over 2048 vectors in
+# statistics only; with y, 8 at 32768, or where DRAM is fast a cluster of 2
+# blocks of 8 a row, bf16 and float32: 16384 wide), at 65536 a cluster of 8
+# blocks a row; the backward of rows over 2048 vectors in
 # clusters of 2-8 blocks, each a slice of the row (LayerNorm bf16: 3 at 32768,
 # 8 at 65536; RMSNorm: 4 and 8), slices of unequal length (16392 bf16: 2049
 # vectors, LayerNorm 2 slices, RMSNorm 4; 8196 float32); float32 parameters
@@ -301,6 +302,7 @@ PLAN_CASES = [
     ((700, 2052), jnp.float32, jnp.bfloat16),
     *gpu_only(((540, 16384), jnp.bfloat16, jnp.float32)),
     *gpu_only(((540, 32768), jnp.bfloat16, jnp.bfloat16)),
+    *gpu_only(((300, 16384), jnp.float32, jnp.float32)),
     *gpu_only(((530, 65536), jnp.bfloat16, jnp.float32)),
     *gpu_only(((600, 16392), jnp.bfloat16, jnp.bfloat16)),
     ((550, 8196), jnp.float32, jnp.float32),

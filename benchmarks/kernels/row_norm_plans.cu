@@ -15,7 +15,9 @@
 // vectors a thread, not 4; ACC_SMEM=1 adds each split's accumulators in
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
 // YOFF_KB=1,64 the planned forward with y that far past x (1: none),
-// DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow). A split
+// DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow);
+// FWD_CLUSTERS=1 the forward over clusters of 2, 4 and 8 (8c*) at any width
+// that fwd_block takes at 4 or more vectors a thread, not only at 16. A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
 // without (sn, s8n). A split's sum_partials launch is timed alone (sp).
 // HOLD=1 times PARTS' splits of at most 256 threads held (o16H). The
@@ -585,7 +587,7 @@ int main(int argc, char** argv) {
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
       print_row(name, us);
       std::vector<float> y_plan;  // to check the cluster kernels against
-      if (verify && !residual && nv == kLongNv) y_plan = to_host(y, n, true);
+      if (verify && !residual && write_y) y_plan = to_host(y, n, true);
       // What the parameters' loads cost: the same launch without bias (-b)
       // and without scale and bias (-p); y is not checked.
       for (int drop = c.centered ? 0 : 1; mode == 0 && drop < 2; ++drop) {
@@ -601,6 +603,7 @@ int main(int argc, char** argv) {
       // residual, y-diff against the planned kernel's y.
       auto cluster_row = [&](auto parts) {
         constexpr int kParts = decltype(parts)::value;
+        if (threads_per_row((nvec + kParts - 1) / kParts, 8) < 32) return;  // a warp at least
         with_centered(c.centered, [&](auto centered) {
           constexpr bool kC = decltype(centered)::value;
           auto launch = [&] { CHECK(launch_fwd_cluster<bf16, bf16, bf16, VEC, kC, kParts>(s, info, a)); };
@@ -619,7 +622,7 @@ int main(int argc, char** argv) {
           return 0;
         });
       };
-      if (nv == kLongNv && info.clusters && write_y) {
+      if ((nv == kLongNv || std::getenv("FWD_CLUSTERS")) && info.clusters && write_y) {
         cluster_row(std::integral_constant<int, 2>{});
         cluster_row(std::integral_constant<int, 4>{});
         cluster_row(std::integral_constant<int, 8>{});

@@ -449,6 +449,17 @@ inline int fwd_cluster_parts(int64_t rows, int64_t row_vecs, const DeviceInfo& d
   return four_warps ? kMaxClusterParts : 4;
 }
 
+// Rows of 3841-4096 vectors (32768 bf16: fwd_block's 512 threads at 8) with y,
+// no residual and at least 2 rows an SM, where DRAM is fast: a cluster of 2
+// blocks a row (fwd_cluster) in place of one block. H200, 2048x32768 (the
+// plans harness, benchmarks/NOTES.md v79): LayerNorm 75.2-75.6 -> 71.6-72.0
+// us, RMSNorm 68.0-68.3 -> 67.1. Not timed where DRAM is slow.
+inline bool fwd_row_halves(int64_t rows, int64_t row_vecs, bool residual,
+                           const DeviceInfo& dev) {
+  return dev.clusters && !residual && !dram_is_slow(dev) && rows >= 2 * int64_t(dev.sms) &&
+         threads_per_row(row_vecs, 8) == 512;
+}
+
 // Vectors a thread with which fwd_block serves a launch, or 0 where it does
 // not. Few rows (at most 4 an SM): 2, where a row fits a block that way.
 // Otherwise 4 with y written, 8 for statistics only, when a row fills at
@@ -583,6 +594,9 @@ cudaError_t launch_fwd_block(cudaStream_t stream, const DeviceInfo& dev, int nv,
         case 4: return launch_fwd_cluster<X, Y, W, VEC, kC, 4>(stream, dev, a);
         case 8: return launch_fwd_cluster<X, Y, W, VEC, kC, 8>(stream, dev, a);
       }
+    }
+    if (nv == 8 && fwd_row_halves(a.rows, a.hidden / VEC, residual, dev)) {
+      return launch_fwd_cluster<X, Y, W, VEC, kC, 2>(stream, dev, a);
     }
     if (nv == 8 || nv == kLongNv) {
       auto kernel = nv == 8 ? fwd_block<X, Y, W, VEC, 8, kC, true, false>
