@@ -73,6 +73,8 @@ def xla_add_rms_norm(x, residual, scale, epsilon=1e-6):
 
 GROUPS = 32
 GROUP_SHAPES = [(16, 64, 64, 320), (8, 32, 32, 1280), (4, 128, 128, 128), (1, 512, 512, 64)]
+# Smaller batches, outside the bars: a sample a cluster of blocks on H100/H200.
+GROUP_BATCHES = [(4, 32, 32, 1280), (16, 16, 16, 1280)]
 BATCH_SHAPES = [(256, 56, 56, 64), (128, 28, 28, 256), (64, 14, 14, 1024)]
 
 
@@ -245,7 +247,7 @@ def shapes_for(op, pass_, shapes):
     """The op's shapes: its defaults, or those of `shapes` of a rank among
     the defaults' (so one --shapes list serves row and channel ops)."""
     if op in CHANNEL_OPS or op in ALONG_SHAPES:
-        defaults = large_shapes(op)
+        defaults = large_shapes(op) + (GROUP_BATCHES if op == "group_norm" else [])
     else:
         defaults = LARGE + (DECODE_FWD if pass_ == "fwd" and op != "layer_norm" else DECODE)
     if shapes is None:

@@ -12,8 +12,9 @@
 # SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
 # kernels/mbarrier_racecheck.cu's orderings alone; "channel_plans",
 # kernels/channel_plans.cu; "channel_probe", kernels/channel_probe.cu (and
-# its profile by Nsight Compute); "lrn_lines", kernels/lrn_lines.cu;
-# "softmax_lines", kernels/softmax_lines.cu: these five and "plans" alone skip
+# its profile by Nsight Compute); "gn_cluster", kernels/gn_cluster.cu;
+# "lrn_lines", kernels/lrn_lines.cu; "softmax_lines",
+# kernels/softmax_lines.cu: these six and "plans" alone skip
 # the jaxnorm build); SKIP_BUILD=1 keeps an earlier
 # build; PREBUILT=1 takes the module built elsewhere for this machine's Python
 # and GPU (jaxnorm/_jaxnorm.cpython-3XX-*.so, and build-bench/'s harnesses
@@ -42,7 +43,7 @@ fi
   | tee "$OUT/device.txt"
 needs_build=$([ -z "$STEPS" ] && echo 1)  # the build alone
 for s in $STEPS; do  # the mbarrier check and the C++ harnesses need no jaxnorm build
-  case $s in mbarrier|channel_plans|channel_probe|lrn_lines|softmax_lines|plans) ;;
+  case $s in mbarrier|channel_plans|channel_probe|gn_cluster|lrn_lines|softmax_lines|plans) ;;
     *) needs_build=1 ;;
   esac
 done
@@ -183,6 +184,12 @@ if step channel_probe && harness channel_probe; then
     [ -f /tmp/channel_probe.ncu-rep ] && ncu -i /tmp/channel_probe.ncu-rep --page raw --csv \
       > "$OUT/channel_probe_ncu.csv" 2>&1
   fi
+fi
+
+if step gn_cluster && harness gn_cluster; then
+  echo "== GroupNorm's forward in clusters against the passes (C++, kernels/gn_cluster.cu)"
+  /tmp/gn_cluster > "$OUT/gn_cluster.txt" 2>&1 || tail -5 "$OUT/gn_cluster.txt"
+  cat "$OUT/gn_cluster.txt"
 fi
 
 if step lrn_lines && harness lrn_lines; then

@@ -3,7 +3,7 @@
 # takes on the GPU machine in place of its own build: the CUDA module for that
 # machine's Python and jax (jaxnorm/_jaxnorm.cpython-3XX-*.so) and the C++
 # benchmarks (build-bench/row_norm_plans, lrn_lines, softmax_lines,
-# channel_plans and channel_probe). The module's
+# channel_plans, channel_probe and gn_cluster). The module's
 # FFI headers come from the GPU machine's jax version (a handler loads in that
 # jaxlib and newer ones).
 #   PYTHON=python3.12 JAX_VERSION=0.11.2 CUDA_ARCHS=90 bash benchmarks/prebuild.sh
@@ -27,7 +27,7 @@ cp "$build"/_jaxnorm.cpython-*.so "$repo/jaxnorm/"
 
 mkdir -p "$repo/build-bench"
 jaxinc=$("$venv/bin/python" -c "import jax; print(jax.ffi.include_dir())")
-for name in row_norm_plans lrn_lines softmax_lines channel_plans channel_probe; do  # as gpu_run.sh's harness() builds them
+for name in row_norm_plans lrn_lines softmax_lines channel_plans channel_probe gn_cluster; do  # as gpu_run.sh's harness() builds them
   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -I"$repo/cpp" -isystem "$jaxinc" \
     "$repo/benchmarks/kernels/$name.cu" -o "$repo/build-bench/$name"
 done

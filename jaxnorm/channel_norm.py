@@ -303,12 +303,13 @@ def _local_stats(run, x4, scale, bias, axes, group_size):
 
 def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, group_size,
                xla_elementwise=False, **params):
-    """The forward on one device's block: one launch computes the statistics
-    and a second normalizes with them, so that where y is dead (the forward
-    of jax.grad) XLA drops the second. With the reduced dims split, one
-    all-gather merges the blocks' statistics between the two. With
-    `xla_elementwise` y is jax.numpy, which XLA fuses with what surrounds it
-    (BatchNorm's ReLU and residual add)."""
+    """The forward on one device's block: one launch for the statistics and
+    y, which on H100/H200 reads each sample once where it fits a cluster of
+    blocks (cpp/cuda/channel_norm_cluster.cuh). With the reduced dims split,
+    a first launch computes the statistics, one all-gather merges the
+    blocks', and a second normalizes with them. With `xla_elementwise` y is
+    jax.numpy, which XLA fuses with what surrounds it (BatchNorm's ReLU and
+    residual add), after a launch for the statistics."""
     x4 = view(x, lead_ndim, axis)
     n = x4.shape[0]
     run = functools.partial(kernel, group_size=group_size, **params)
@@ -319,8 +320,12 @@ def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, grou
         y, _, _ = normalize(x4, scale, bias, _per_group_stats(mean, n, group_size),
                             _per_group_stats(var, n, group_size), write_output=True)
         return y.reshape(x.shape), empty(stats), empty(stats)
-    m, v = _local_stats(run, x4, scale, bias, axes, group_size)
-    y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
+    if axes.hidden or xla_elementwise:
+        m, v = _local_stats(run, x4, scale, bias, axes, group_size)
+        y, _, _ = normalize(x4, scale, bias, m, v, write_output=True)
+    else:
+        none = empty(stats)
+        y, m, v = run(x4, scale, bias, none, none, write_output=True)
     return (y.reshape(x.shape), _per_channel_stats(m, x, lead_ndim, group_size),
             _per_channel_stats(v, x, lead_ndim, group_size))
 

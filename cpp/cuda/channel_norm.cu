@@ -4,7 +4,7 @@
 // through. They take channels-last x (B == 1); jaxnorm/channel_norm.py lowers
 // other layouts to jax.numpy on GPUs.
 #include "common/channel_args.h"
-#include "cuda/channel_norm_kernels.cuh"
+#include "cuda/channel_norm_cluster.cuh"
 
 namespace jaxnorm::cuda {
 namespace {
@@ -63,13 +63,24 @@ ffi::Error layout_error(const ChannelNormShape& s) {
 }
 
 // The statistics (tile_stats, then group_stats' merge), unless given, and y
-// from them (apply_affine), where asked for.
+// from them (apply_affine), where asked for; both in one launch where a
+// sample fits a cluster's shared memory (channel_norm_cluster.cuh).
 template <typename X, typename Y, typename W, int V>
 ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                       const ChannelNormShape& s, double epsilon, Activation act, bool given,
                       bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
                       acc_t<X>* var, Y* y) {
   using A = acc_t<X>;
+  if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16) {
+    ClusterGnPlan plan;
+    if (!given && write_y) plan = plan_cluster_gn<X, Y, W, V>(s.n, s.a, s.c, s.group_size, dev);
+    if (plan.parts > 0) {
+      plan.args.epsilon = epsilon;
+      plan.args.act = act;
+      return cuda_error(launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, mean, var, y),
+                        "channel_norm_fwd (clusters)");
+    }
+  }
   if (!given) {
     const Tiles t =
         plan_tiles(s.n, s.a, s.c, V, sizeof(X), 3 * sizeof(A), dev, tile_stats<X, V>);

@@ -917,4 +917,25 @@ int blocks_per_sm(K kernel, int threads, size_t smem, const DeviceInfo& dev) {
   });
 }
 
+// Clusters of `parts` blocks of `kernel` that the GPU holds at once, which can
+// be fewer than blocks_per_sm * SMs / parts: a cluster's blocks must share a
+// GPC. A persistent grid of more clusters than that leaves the last ones to
+// start when others end.
+template <typename K>
+int resident_clusters(K kernel, int threads, size_t smem, int parts, const DeviceInfo& dev) {
+  return per_launch_shape(dev, kernel, threads, smem, parts, [&] {
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t config =
+        cluster_config(unsigned(parts), threads, smem, parts, nullptr, attr);
+    int n = 0;
+    if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
+        allow_cluster_size(kernel, parts) != cudaSuccess ||
+        cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess || n < 1) {
+      cudaGetLastError();
+      n = 1;
+    }
+    return n;
+  });
+}
+
 }  // namespace jaxnorm::cuda

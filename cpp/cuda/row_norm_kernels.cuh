@@ -1289,27 +1289,6 @@ inline int grid_size(int64_t groups, int64_t cap) {
   return int(groups < cap ? groups : cap);
 }
 
-// Clusters of `parts` blocks of `kernel` that the GPU holds at once, which can
-// be fewer than blocks_per_sm * SMs / parts: a cluster's blocks must share a
-// GPC. A persistent grid of more clusters than that leaves the last ones to
-// start when others end.
-template <typename K>
-int resident_clusters(K kernel, int threads, size_t smem, int parts, const DeviceInfo& dev) {
-  return per_launch_shape(dev, kernel, threads, smem, parts, [&] {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t config =
-        cluster_config(unsigned(parts), threads, smem, parts, nullptr, attr);
-    int n = 0;
-    if (allow_dynamic_smem(kernel, smem, dev) != cudaSuccess ||
-        allow_cluster_size(kernel, parts) != cudaSuccess ||
-        cudaOccupancyMaxActiveClusters(&n, kernel, &config) != cudaSuccess || n < 1) {
-      cudaGetLastError();
-      n = 1;
-    }
-    return n;
-  });
-}
-
 // The forward: one block per row group up to a full persistent grid.
 template <typename X, typename Y, typename W, int VEC>
 cudaError_t launch_fwd(cudaStream_t stream, const DeviceInfo& dev, const RowPlan& p,

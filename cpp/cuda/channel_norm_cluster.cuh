@@ -1,0 +1,308 @@
+// GroupNorm's forward with x read once, for samples that fit in the shared
+// memory of a cluster of blocks (sm_90): a cluster a sample, each block a
+// contiguous run of the sample's rows, copied in by bulk copies (TMA).
+//
+// The passes (tile_stats, group_stats, apply_affine) read x twice and launch
+// three kernels; an earlier one-read design (notes v49) kept a round of
+// samples in the shared memory of the whole grid and met through counters in
+// global memory, and its barriers and merges (6-8 us a round) cost what the
+// second read saves. Here a group's statistics never leave the cluster: each
+// block sums its rows' deviations from a shift per group (the group's first
+// value in the sample's first row, which every block reads), so that the
+// blocks' sums merge by adding them, in rank order, through distributed
+// shared memory after one cluster barrier.
+//
+// Shifted sums: var = E[d^2] - E[d]^2 with d = x - shift loses nothing to a
+// large mean (shift is one of the group's values, so d is of the size of the
+// group's spread), unlike x's raw moments.
+#pragma once
+
+#include "cuda/channel_norm_kernels.cuh"
+
+namespace jaxnorm::cuda {
+
+constexpr int kClusterGnThreads = 512;
+constexpr int kClusterGnStages = 8;  // bulk copies a block, each its own mbarrier
+
+// One launch: x (N, A, C) channels-last, a cluster of `parts` blocks a sample.
+struct ClusterGnArgs {
+  int64_t rows = 0;        // A, a sample's rows
+  int c = 0, group_size = 1;
+  int rows_per_block = 0;  // ceil(A / parts)
+  int stage_rows = 0;      // rows a bulk copy
+  double epsilon = 0;
+  Activation act = Activation::kNone;
+};
+
+// Where a group holds whole vectors a thread sums its V channels itself, so
+// that the block's sums take a float2 a lane and row set, not a channel.
+__host__ __device__ inline int sums_a_lane(int group_size, int vec) {
+  return group_size % vec == 0 ? vec : 1;
+}
+
+// The dynamic shared memory of a launch: the block's rows of x, then the
+// threads' sums (a float2 a row set and lane or channel), the block's sums and
+// the statistics (a float2 a group each), and the shifts (a float a group).
+struct ClusterGnSmem {
+  size_t slice = 0, partial = 0, block_sums = 0, stats = 0, shift = 0, total = 0;
+  __host__ __device__ static ClusterGnSmem of(int threads, int rows_per_block, int c, int vec,
+                                              int group_size, size_t x_bytes) {
+    ClusterGnSmem s;
+    const int sets = threads / (c / vec), groups = c / group_size;
+    s.slice = size_t(rows_per_block) * c * x_bytes;  // a multiple of 16: c % vec == 0
+    s.partial = s.slice;
+    s.block_sums = s.partial + size_t(sets) * (c / sums_a_lane(group_size, vec)) * sizeof(float2);
+    s.stats = s.block_sums + size_t(groups) * sizeof(float2);
+    s.shift = s.stats + size_t(groups) * sizeof(float2);
+    s.total = s.shift + size_t(groups) * sizeof(float);
+    return s;
+  }
+};
+
+__device__ __forceinline__ uint32_t cluster_blocks() {
+  uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+
+// A cluster barrier whose arrival releases the thread's earlier writes to
+// shared memory and whose wait acquires the other blocks'.
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// A float2 of the shared memory of the cluster's block of rank r.
+__device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint32_t r) {
+  float2 v = make_float2(0.0f, 0.0f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
+               : "=f"(v.x), "=f"(v.y)
+               : "r"(cluster_addr(shared_addr(local), r))
+               : "memory");
+#endif
+  return v;
+}
+
+// Sums of the block's float2s over group k's `per` entries in each of the
+// `sets` rows of `width` entries, in a fixed order: a warp a group where a
+// group has many of them, else a thread a group.
+__device__ __forceinline__ void sum_groups(const float2* partial, int sets, int width, int per,
+                                           int groups, float2* block_sums) {
+  const int items = sets * per;
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  if (items >= 64) {
+    for (int k = warp; k < groups; k += kClusterGnThreads / 32) {
+      float v[2] = {0.0f, 0.0f};
+      for (int i = lane; i < items; i += 32) {
+        const int set = i / per;
+        const float2 q = partial[set * width + k * per + (i - set * per)];
+        v[0] += q.x, v[1] += q.y;
+      }
+      warp_sum(v);
+      if (lane == 0) block_sums[k] = make_float2(v[0], v[1]);
+    }
+    return;
+  }
+  for (int k = tid; k < groups; k += kClusterGnThreads) {
+    float2 t = make_float2(0.0f, 0.0f);
+    for (int set = 0; set < sets; ++set) {
+      for (int j = 0; j < per; ++j) {
+        const float2 q = partial[set * width + k * per + j];
+        t.x += q.x, t.y += q.y;
+      }
+    }
+    block_sums[k] = t;
+  }
+}
+
+// y = act(xhat scale + bias) and the statistics (mean_out, var_out: (N, G))
+// of x (N, A, C): a cluster of blocks a sample (grid N * parts). A thread
+// takes a vector of V channels (lane) in every `sets`-th row of its block's
+// rows: the same channels, hence the same terms, throughout.
+template <typename X, typename Y, typename W, int V>
+__global__ void __launch_bounds__(kClusterGnThreads, 1)
+    group_norm_cluster_fwd(const X* x, ChannelParams<W> p, ClusterGnArgs g, float* mean_out,
+                           float* var_out, Y* y) {
+  static_assert(sizeof(acc_t<X>) == 4 && V * sizeof(X) == 16);
+  using A = float;
+  extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
+  __shared__ uint64_t bars[kClusterGnStages];
+  const int groups = g.c / g.group_size, lanes = g.c / V, sets = kClusterGnThreads / lanes;
+  const ClusterGnSmem at =
+      ClusterGnSmem::of(kClusterGnThreads, g.rows_per_block, g.c, V, g.group_size, sizeof(X));
+  const X* slice = reinterpret_cast<const X*>(dyn);
+  auto* partial = reinterpret_cast<float2*>(dyn + at.partial);
+  auto* block_sums = reinterpret_cast<float2*>(dyn + at.block_sums);
+  auto* stats = reinterpret_cast<float2*>(dyn + at.stats);
+  auto* shift = reinterpret_cast<float*>(dyn + at.shift);
+
+  const uint32_t parts = cluster_blocks(), rank = cluster_rank();
+  const int64_t n = blockIdx.x / parts, first_row = int64_t(rank) * g.rows_per_block;
+  const int64_t left = g.rows - first_row;
+  const int rows = left <= 0 ? 0 : left < g.rows_per_block ? int(left) : g.rows_per_block;
+  const X* sample = x + n * g.rows * g.c;
+  const int tid = int(threadIdx.x), lane = tid % lanes, set = tid / lanes;
+  const bool active = set < sets;
+  if (tid == 0) {
+    for (int s = 0; s < kClusterGnStages; ++s) mbar_init(&bars[s], 1);
+    fence_mbar_init();
+    for (int s = 0, r = 0; r < rows; ++s, r += g.stage_rows) {
+      const int got = rows - r < g.stage_rows ? rows - r : g.stage_rows;
+      const uint32_t bytes = uint32_t(got) * uint32_t(g.c) * sizeof(X);
+      mbar_expect(&bars[s], bytes);
+      bulk_load(dyn + size_t(r) * g.c * sizeof(X), sample + (first_row + r) * g.c, bytes,
+                &bars[s]);
+    }
+  }
+  for (int k = tid; k < groups; k += kClusterGnThreads) {
+    shift[k] = to_acc(sample[int64_t(k) * g.group_size]);
+  }
+  // The parameters travel while the rows land.
+  A w[V], b[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    w[e] = active ? p.template w<A>(lane * V + e) : A(0);
+    b[e] = active ? p.template b<A>(lane * V + e) : A(0);
+  }
+  __syncthreads();  // the mbarriers' initialization and the shifts
+
+  A sh[V], s1[V], s2[V];
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) sh[e] = shift[(lane * V + e) / g.group_size], s1[e] = s2[e] = 0;
+    int r = set;
+    for (int s = 0, end = 0; end < rows; ++s) {
+      end = end + g.stage_rows < rows ? end + g.stage_rows : rows;
+      if (r >= end) continue;
+      mbar_wait(&bars[s], 0);
+      for (; r < end; r += sets) {
+        RegVec<X, V> v;
+        v.load_shared(reinterpret_cast<const uint4*>(slice + size_t(r) * g.c + lane * V));
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const A d = v.get(e) - sh[e];
+          s1[e] += d;
+          s2[e] = fmaf(d, d, s2[e]);
+        }
+      }
+    }
+    if (sums_a_lane(g.group_size, V) == V) {  // one group: its channels' sums added
+#pragma unroll
+      for (int e = 1; e < V; ++e) s1[0] += s1[e], s2[0] += s2[e];
+      partial[set * lanes + lane] = make_float2(s1[0], s2[0]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) partial[set * g.c + lane * V + e] = make_float2(s1[e], s2[e]);
+    }
+  }
+  __syncthreads();
+  const int per_lane = sums_a_lane(g.group_size, V);
+  sum_groups(partial, sets, g.c / per_lane, g.group_size / per_lane, groups, block_sums);
+  cluster_arrive_release();
+  cluster_wait();
+  // Every block adds the cluster's sums in rank order: the same bits in each.
+  const A count = A(g.rows) * A(g.group_size);
+  for (int k = tid; k < groups; k += kClusterGnThreads) {
+    float2 q[kMaxWideClusterParts];
+#pragma unroll
+    for (int r = 0; r < kMaxWideClusterParts; ++r) {
+      if (r < int(parts)) q[r] = load_cluster_float2(&block_sums[k], uint32_t(r));
+    }
+    A t1 = 0, t2 = 0;
+#pragma unroll
+    for (int r = 0; r < kMaxWideClusterParts; ++r) {
+      if (r < int(parts)) t1 += q[r].x, t2 += q[r].y;
+    }
+    const A d = t1 / count, var = fmaxf(t2 / count - d * d, A(0));
+    stats[k] = make_float2(shift[k] + d, rsqrtf(var + A(g.epsilon)));
+    if (rank == 0) mean_out[n * groups + k] = shift[k] + d, var_out[n * groups + k] = var;
+  }
+  cluster_arrive_relaxed();  // this block's reads of the others' sums are done
+  __syncthreads();
+  if (active) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const float2 st = stats[(lane * V + e) / g.group_size];
+      w[e] *= st.y;
+      b[e] -= st.x * w[e];
+    }
+    Y* out = y + (n * g.rows + first_row) * g.c + lane * V;
+    for (int r = set; r < rows; r += sets) {
+      RegVec<X, V> v;
+      v.load_shared(reinterpret_cast<const uint4*>(slice + size_t(r) * g.c + lane * V));
+      A o[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) o[e] = activate(g.act, fmaf(v.get(e), w[e], b[e]));
+      store_vec<V>(out + size_t(r) * g.c, o);
+    }
+  }
+  cluster_wait();  // no block leaves while another may read its sums
+}
+
+// How group_norm_cluster_fwd runs x (n, a, c): `parts` blocks a sample, 0
+// where it does not serve it.
+struct ClusterGnPlan {
+  int parts = 0;
+  ClusterGnArgs args;
+  size_t smem = 0;
+};
+
+// The share of the SMs below which the passes stay faster.
+constexpr double kClusterGnMinBusy = 0.45;
+
+// A block takes 5-6 us to read and write 160 KB however many SMs run (30-45
+// GB/s an SM, by bulk copies or cp.async alike, and its stores), so a launch
+// wins only where one round of clusters, all of them at once, holds every
+// sample and keeps most SMs busy: on an H200, 1.15-1.46x the passes with 48-73%
+// of the SMs, 0.94-1.00x with 12-24%, and 0.72-0.94x with two or three rounds
+// of 16 blocks (benchmarks/NOTES.md, v80). Of the cluster sizes that do,
+// the largest, whose blocks take the fewest rows.
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                              const DeviceInfo& dev) {
+  ClusterGnPlan plan;
+  if (!dev.clusters || n < 1 || a < 1 || c / V > kClusterGnThreads) return plan;
+  for (int parts = kMaxWideClusterParts; parts >= 1; --parts) {
+    const int64_t rows = (a + parts - 1) / parts;
+    if (rows * c * int64_t(sizeof(X)) > int64_t(dev.max_dynamic_smem)) break;
+    const ClusterGnSmem s =
+        ClusterGnSmem::of(kClusterGnThreads, int(rows), int(c), V, int(group_size), sizeof(X));
+    if (s.total > dev.max_dynamic_smem) break;
+    if (double(n * parts) < kClusterGnMinBusy * dev.sms) break;
+    auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
+    if (n > resident_clusters(kernel, kClusterGnThreads, s.total, parts, dev)) continue;
+    plan.parts = parts;
+    plan.smem = s.total;
+    plan.args.rows = a;
+    plan.args.c = int(c);
+    plan.args.group_size = int(group_size);
+    plan.args.rows_per_block = int(rows);
+    plan.args.stage_rows = int((rows + kClusterGnStages - 1) / kClusterGnStages);
+    return plan;
+  }
+  return plan;
+}
+
+template <typename X, typename Y, typename W, int V>
+cudaError_t launch_cluster_gn(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
+                              const X* x, ChannelParams<W> p, float* mean, float* var, Y* y) {
+  auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
+  return launch_clusters(kernel, unsigned(n * plan.parts), kClusterGnThreads, plan.smem,
+                         plan.parts, stream, x, p, plan.args, mean, var, y);
+}
+
+}  // namespace jaxnorm::cuda
