@@ -3,6 +3,8 @@ default device (the CUDA kernels on a GPU where built, the CPU kernels
 elsewhere)."""
 
 import functools
+import glob
+import os
 
 import jax
 import jax.numpy as jnp
@@ -182,6 +184,36 @@ def test_group_norm_samples_in_clusters(shape, groups, dtype, act, offset):
         rows = x.size // shape[-1]
         for g, w, s in zip(got, want, (tol, tol * np.sqrt(rows), np.sqrt(rows))):
             np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * s)
+
+
+def _gpu_kernel_names(f, *args, logdir):
+    """Names of the kernels one call of f launches on the GPU (a profiler trace)."""
+    jax.block_until_ready(f(*args))
+    jax.profiler.start_trace(str(logdir))
+    jax.block_until_ready(f(*args))
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(os.path.join(str(logdir), "**", "*.xplane.pb"), recursive=True)
+    planes = jax.profiler.ProfileData.from_file(path).planes
+    return {event.name for plane in planes if plane.name.startswith("/device:GPU")
+            for line in plane.lines for event in line.events}
+
+
+@pytest.mark.skipif(not any(k in jax.devices()[0].device_kind for k in ("H100", "H200")),
+                    reason="the cluster plan's rule is drawn from an H200 (notes v80)")
+def test_batches_that_fit_take_the_cluster_forward(tmp_path):
+    """test_group_norm_samples_in_clusters' first batch runs as one launch of
+    the cluster kernel; a batch of two samples (too few SMs) keeps the passes."""
+    def names(shape, sub):
+        x = rand(66, shape, jnp.bfloat16)
+        return _gpu_kernel_names(jax.jit(lambda x: jaxnorm.group_norm(x, 32)), x,
+                                 logdir=tmp_path / sub)
+
+    four = names((4, 32, 32, 1280), "four")
+    assert any("group_norm_cluster_fwd" in n for n in four), four
+    assert not any("tile_stats" in n for n in four), four
+    two = names((2, 32, 32, 1280), "two")
+    assert any("tile_stats" in n for n in two), two
+    assert not any("group_norm_cluster_fwd" in n for n in two), two
 
 
 def test_nan_stays_in_its_group():
