@@ -71,7 +71,8 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                       bool write_y, const X* x, ChannelParams<W> p, acc_t<X>* mean,
                       acc_t<X>* var, Y* y) {
   using A = acc_t<X>;
-  if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16) {
+  // The cluster forward where it was measured: 16-byte vectors of x, y in x's dtype.
+  if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16 && std::is_same_v<Y, X>) {
     ClusterGnPlan plan;
     if (!given && write_y) plan = plan_cluster_gn<X, Y, W, V>(s.n, s.a, s.c, s.group_size, dev);
     if (plan.parts > 0) {
