@@ -59,32 +59,6 @@ struct ClusterGnSmem {
   }
 };
 
-__device__ __forceinline__ uint32_t cluster_blocks() {
-  uint32_t n = 1;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return n;
-}
-
-// A cluster barrier whose arrival releases the thread's earlier writes to
-// shared memory and whose wait acquires the other blocks'.
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
-#endif
-}
-
 // A float2 of the shared memory of the cluster's block of rank r.
 __device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint32_t r) {
   float2 v = make_float2(0.0f, 0.0f);

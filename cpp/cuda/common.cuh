@@ -608,12 +608,30 @@ __device__ __forceinline__ void fence_mbar_init() {
 #endif
 }
 
-// Every thread of every block of the cluster arrives, then waits for all.
-__device__ __forceinline__ void cluster_sync_relaxed() {
+// A cluster barrier in halves: every thread of every block of the cluster
+// arrives (release: its earlier writes to shared memory visible to the
+// other blocks after their wait; relaxed: no ordering), then waits for all
+// (acquiring what the releases published).
+__device__ __forceinline__ void cluster_arrive_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
-  asm volatile("barrier.cluster.wait;" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+#endif
+}
+
+// Every thread of every block of the cluster arrives, then waits for all.
+__device__ __forceinline__ void cluster_sync_relaxed() {
+  cluster_arrive_relaxed();
+  cluster_wait();
 }
 
 __device__ __forceinline__ uint32_t cluster_rank() {
@@ -622,6 +640,15 @@ __device__ __forceinline__ uint32_t cluster_rank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
 #endif
   return r;
+}
+
+// Blocks in the thread's cluster.
+__device__ __forceinline__ uint32_t cluster_blocks() {
+  uint32_t n = 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
 }
 
 // Stores 16 bytes at `at` (a cluster shared-memory address) with st.async,
