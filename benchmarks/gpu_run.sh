@@ -60,6 +60,7 @@ if [ -n "$needs_build" ]; then
   elif ! python3 -m pip install --no-build-isolation --no-deps -v \
       -C cmake.define.JAXNORM_CUDA=ON \
       -C cmake.define.JAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" \
+      -C cmake.define.JAXNORM_CUDA_LINEINFO=ON \
       . > "$OUT/build.log" 2>&1; then
     tail -40 "$OUT/build.log"; exit 1
   fi

@@ -21,7 +21,8 @@ fi
 "$venv/bin/python" -m pip install -q nanobind "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
 cmake -S "$repo" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DPython_EXECUTABLE="$venv/bin/python" -DJAXNORM_CUDA=ON \
-  -DJAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" > "$build.configure.log"
+  -DJAXNORM_CUDA_ARCHITECTURES="${CUDA_ARCHS:-90}" -DJAXNORM_CUDA_LINEINFO=ON \
+  > "$build.configure.log"
 ninja -C "$build"
 cp "$build"/_jaxnorm.cpython-*.so "$repo/jaxnorm/"
 

@@ -28,21 +28,28 @@ def or_empty(a, dtype) -> jax.Array:
     return empty(dtype) if a is None else a
 
 
+def kernel_dtypes(x_dtype) -> tuple[np.dtype, ...]:
+    """The dtypes the kernels read parameters and write outputs in: x's, and
+    float32 as well for 16-bit x (float32 and float64 x stay in their own)."""
+    x = jnp.dtype(x_dtype)
+    return (x, jnp.dtype(jnp.float32)) if x.itemsize == 2 else (x,)
+
+
 def param_dtype(x_dtype, *params) -> np.dtype:
-    """The dtype the kernels read the parameters in: theirs where it is x's or
-    float32 and all agree, else float32 (the parameters are cast to it)."""
+    """The dtype the kernels read the parameters in: theirs where all agree on
+    one of kernel_dtypes, else the statistics dtype (they are cast to it)."""
     given = [p for p in params if p is not None]
     dtype = jnp.dtype(given[0].dtype) if given else jnp.dtype(x_dtype)
-    f32 = jnp.dtype(jnp.float32)
-    if dtype not in (jnp.dtype(x_dtype), f32) or any(p.dtype != dtype for p in given):
-        return f32
+    if dtype not in kernel_dtypes(x_dtype) or any(p.dtype != dtype for p in given):
+        return stats_dtype(x_dtype)
     return dtype
 
 
 def kernel_out_dtype(x_dtype, out_dtype) -> np.dtype:
-    """What the kernels write: x's dtype or float32 (others are cast after)."""
-    return out_dtype if out_dtype in (jnp.dtype(x_dtype), jnp.dtype(jnp.float32)) else jnp.dtype(
-        jnp.float32)
+    """What the kernels write: out_dtype where it is one of kernel_dtypes, else
+    the statistics dtype (cast to out_dtype after)."""
+    out = jnp.dtype(out_dtype)
+    return out if out in kernel_dtypes(x_dtype) else stats_dtype(x_dtype)
 
 
 def manual_axes(axis_name: tuple[str, ...]) -> ShardAxes:

@@ -29,8 +29,8 @@ in whole groups need nothing.
 
 Dtype rule as the row norms': statistics in float32 (float64 for float64 x),
 output in x's dtype unless `dtype` is given, scale and bias read in x's dtype
-or float32 (other dtypes are cast to float32), gradients in each argument's
-dtype.
+or, for 16-bit x, float32 (other dtypes are cast to the statistics dtype),
+gradients in each argument's dtype.
 """
 
 from __future__ import annotations
@@ -508,7 +508,7 @@ class _Config(NamedTuple):
     group_size: int
     epsilon: float
     activation: int        # the fused activation's code (ACTIVATIONS)
-    out_dtype: np.dtype    # what the kernel writes: x's dtype or float32
+    out_dtype: np.dtype    # what the kernel writes: one of kernel_dtypes
     param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
     given: bool            # statistics given (BatchNorm's evaluation), not computed
     axis_name: tuple       # shard_map axes that split the reduced dims

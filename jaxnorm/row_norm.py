@@ -12,10 +12,10 @@ them (or, where the forward's output is dead, computes them itself:
 Dtype rule: x may be float32, bfloat16, float16 or float64; statistics are
 float32 (float64 for float64 x); the output has x's dtype unless `dtype` is
 given. scale and bias may have another float dtype than x: the kernels read
-them in x's dtype or in float32, and any other parameter dtype is cast to
-float32 first. Output dtypes other than x's dtype or float32 are produced by
-computing in float32 and casting once. Gradients come back in each argument's
-own dtype.
+them in x's dtype, or in float32 for 16-bit x (_stats.kernel_dtypes), and any
+other parameter dtype is cast to the statistics dtype first. Other output
+dtypes are produced by computing in the statistics dtype and casting once.
+Gradients come back in each argument's own dtype.
 """
 
 from __future__ import annotations
@@ -482,7 +482,7 @@ class _Config(NamedTuple):
     epsilon: float
     centered: bool
     zero_centered: bool
-    out_dtype: np.dtype    # what the kernel writes: x's dtype or float32
+    out_dtype: np.dtype    # what the kernel writes: one of kernel_dtypes
     param_dtype: np.dtype  # scale/bias dtype as the kernel reads them
     has_bias: bool
     norm_ndim: int

@@ -4,6 +4,7 @@ values, and JAX autodiff of a float64 jnp implementation for gradients."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 TOLERANCE = {  # (rtol, atol) against float64, by the dtype results are rounded to
     np.dtype("float64"): (1e-10, 1e-10),
@@ -38,12 +39,34 @@ def norm_jnp64(x, scale, bias, eps, centered, ndim):
     return y
 
 
+def value_and_vjp(f, primals, cotangent):
+    """(f(*primals), f's pullback of cotangent), traced as one jit: a reference
+    compiles once instead of once an eager op."""
+
+    def run(primals, cotangent):
+        y, pullback = jax.vjp(f, *primals)
+        return y, pullback(cotangent)
+
+    return jax.jit(run)(primals, cotangent)
+
+
+def as64(a):
+    """a (None passes) as a float64 array."""
+    return None if a is None else jnp.asarray(np.asarray(a, np.float64))
+
+
 def vjp64(x, scale, bias, dy, eps, centered, ndim):
     """Gradients (dx, dscale, dbias) in float64; None for absent parameters."""
-    f64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-    args = (f64(x), f64(scale), f64(bias))
-    _, pullback = jax.vjp(lambda *a: norm_jnp64(*a, eps, centered, ndim), *args)
-    return pullback(f64(dy))
+    f = lambda *a: norm_jnp64(*a, eps, centered, ndim)  # noqa: E731
+    return value_and_vjp(f, (as64(x), as64(scale), as64(bias)), as64(dy))[1]
+
+
+def skip_gpu_plan_sizes(shape):
+    """Skips, off the GPU, a case of over 2^20 elements: such sizes only pick
+    among CUDA launch plans, and the CPU handlers have one way (smaller cases
+    cover it)."""
+    if jax.default_backend() != "gpu" and np.prod(shape) > 1 << 20:
+        pytest.skip("sizes for a GPU plan: the CPU handler has one way")
 
 
 def lowering_platform():
@@ -63,7 +86,8 @@ def assert_close(actual, expected, dtype, scale=1.0):
     )
 
 
-def rand(seed, shape, dtype, offset=0.0):
-    """Fresh standard-normal data (plus `offset`) in `dtype`."""
+def rand(seed, shape, dtype, offset=0.0, scale=1.0):
+    """Fresh normal data of mean `offset` and deviation `scale` in `dtype`."""
     rng = np.random.default_rng(seed)
-    return jnp.asarray(rng.standard_normal(shape) + offset, dtype)
+    # Rounded by NumPy (ml_dtypes for the 16-bit types): no compile a shape.
+    return jnp.asarray((rng.standard_normal(shape) * scale + offset).astype(jnp.dtype(dtype)))

@@ -10,7 +10,16 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
-from reference import assert_close, lowering_platform, norm_jnp64, norm_np, rand
+from reference import (
+    as64,
+    assert_close,
+    lowering_platform,
+    norm_jnp64,
+    norm_np,
+    rand,
+    skip_gpu_plan_sizes,
+    value_and_vjp,
+)
 from sharding_util import collective_sizes, make_mesh, needs_devices, row_norm_collectives
 from test_row_norm import PLAN_CASES
 
@@ -69,6 +78,7 @@ def test_every_plan(op, shape, x_dtype, p_dtype):
     """Each CUDA launch plan with the residual add (and zero-centered scale);
     forward, then gradients (the statistics-only forward, the backward with
     the cotangent of h added)."""
+    skip_gpu_plan_sizes(shape)
     x = rand(31, shape, x_dtype, offset=0.5)
     residual = rand(33, shape, x_dtype)
     scale, bias = add_params(op, 31, shape[-1:], p_dtype)
@@ -102,12 +112,10 @@ def add_grads64(op, x, residual, scale, bias, dy, dh, zero_centered=False):
     y and dh of h. The reference sees the rounded h as residual (x = 0), so
     that it normalizes the row the kernels do."""
     _, centered, eps = ADD_OPS[op]
-    f64 = lambda a: None if a is None else jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
-    _, pull64 = jax.vjp(
+    _, (dh64, ds64, db64) = value_and_vjp(
         lambda h, s, b: add_jnp64(jnp.zeros_like(h), h, s, b, eps, centered, zero_centered),
-        f64(rounded_sum(x, residual)), f64(scale), f64(bias),
+        (as64(rounded_sum(x, residual)), as64(scale), as64(bias)), (as64(dy), as64(dh)),
     )
-    dh64, ds64, db64 = pull64((f64(dy), f64(dh)))
     return dh64, dh64, ds64, db64
 
 
@@ -128,16 +136,15 @@ def test_backward_handler_given_residual(op, shape, x_dtype, p_dtype):
     itself, on every plan: the few-rows kernels as they load x, the others
     from h formed in scratch."""
     from jaxnorm import row_norm
+    from jaxnorm._stats import param_dtype
 
-    if jax.default_backend() != "gpu" and np.prod(shape) > 1 << 20:
-        pytest.skip("sizes for a GPU plan: the CPU handler has one way")
+    skip_gpu_plan_sizes(shape)
     _, centered, eps = ADD_OPS[op]
     x, residual = rand(51, shape, x_dtype, offset=0.5), rand(52, shape, x_dtype)
     scale, bias = add_params(op, 51, shape[-1:], p_dtype)
     dy, dh = rand(53, shape, x_dtype), rand(54, shape, x_dtype)
     none = jnp.zeros((0,), jnp.float32)
-    # The kernels take parameters of x's dtype or float32 (the ops cast others).
-    wide = p_dtype if jnp.dtype(p_dtype) in (jnp.dtype(x_dtype), jnp.float32) else jnp.float32
+    wide = param_dtype(x_dtype, scale)  # what the ops hand the kernels
 
     def bwd(x, residual, scale, dy, dh):
         return row_norm.row_norm_bwd_kernel_p.bind(
@@ -383,13 +390,13 @@ def test_partitioned_rows_and_hidden(op):
 
     grad = jax.grad(loss, argnums=(0, 1, 2) + ((3,) if centered else ()))
     for name, f in (("fwd", functools.partial(add_call, op)), ("grad", grad)):
-        sharded = jax.jit(f, in_shardings=(xs, xs, ps, ps if centered else None))
+        sharded = jax.jit(f, in_shardings=(xs, xs, ps, ps if centered else None)).lower(
+            x, residual, scale, bias).compile()
         got = sharded(x, residual, scale, bias)
         want = jax.jit(f)(x, residual, scale, bias)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
-        text = sharded.lower(x, residual, scale, bias).compile().as_text()
-        assert collective_sizes(text) == row_norm_collectives(
+        assert collective_sizes(sharded.as_text()) == row_norm_collectives(
             centered, 8 * 16 // 4, 4, 2, 32, grad=name == "grad"
         )
         if name == "fwd":

@@ -63,9 +63,10 @@ def _compare(op, mesh, spec, params_like_x):
     n_out = len(op(x, scale, bias))
     found = {}
     for name, f, outs in (("fwd", op, shardings[:n_out]), ("grad", grad, shardings)):
-        sharded = jax.jit(f, in_shardings=shardings, out_shardings=outs)
+        sharded = jax.jit(f, in_shardings=shardings, out_shardings=outs).lower(
+            x, scale, bias).compile()
         _close(sharded(x, scale, bias), jax.jit(f)(x, scale, bias))
-        found[name] = collective_sizes(sharded.lower(x, scale, bias).compile().as_text())
+        found[name] = collective_sizes(sharded.as_text())
     return found
 
 

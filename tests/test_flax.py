@@ -53,11 +53,11 @@ def test_linen_matches_flax(name, fields, shape, x_dtype):
         fields = {k: v for k, v in fields.items() if k != "use_bias"}
     ours, theirs = getattr(jaxnorm.linen, name)(**fields), getattr(nn, name)(**fields)
     x = rand(1, shape, x_dtype, offset=0.5)
-    variables = theirs.init(jax.random.key(0), x)
-    assert jax.tree.map(lambda a: (a.shape, a.dtype), ours.init(jax.random.key(0), x)) == \
+    variables = jax.jit(theirs.init)(jax.random.key(0), x)
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), jax.jit(ours.init)(jax.random.key(0), x)) == \
         jax.tree.map(lambda a: (a.shape, a.dtype), variables)
     variables = _randomize(variables, 10)
-    y, y_ref = ours.apply(variables, x), theirs.apply(variables, x)
+    y, y_ref = jax.jit(ours.apply)(variables, x), jax.jit(theirs.apply)(variables, x)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     _close(y, y_ref, y.dtype)
     fallback = fields.get("reduction_axes", -1) == 1
@@ -66,8 +66,8 @@ def test_linen_matches_flax(name, fields, shape, x_dtype):
     def loss(module):
         return lambda v, x: jnp.sum(jnp.sin(module.apply(v, x).astype(jnp.float32)))
 
-    g = jax.grad(loss(ours), argnums=(0, 1))(variables, x)
-    g_ref = jax.grad(loss(theirs), argnums=(0, 1))(variables, x)
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
+    g_ref = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables, x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         assert a.dtype == b.dtype
         _close(a, b, jnp.float32 if a.dtype == jnp.float32 and x_dtype == jnp.float32

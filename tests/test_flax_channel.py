@@ -55,10 +55,10 @@ GROUP_CASES = [
 def test_linen_group_norm_matches_flax(fields, shape, fallback, x_dtype):
     ours, theirs = jaxnorm.linen.GroupNorm(**fields), nn.GroupNorm(**fields)
     x = rand(1, shape, x_dtype, offset=0.5)
-    variables = theirs.init(jax.random.key(0), x)
-    assert _structure(ours.init(jax.random.key(0), x)) == _structure(variables)
+    variables = jax.jit(theirs.init)(jax.random.key(0), x)
+    assert _structure(jax.jit(ours.init)(jax.random.key(0), x)) == _structure(variables)
     variables = _randomize(variables, 10)
-    y, y_ref = ours.apply(variables, x), theirs.apply(variables, x)
+    y, y_ref = jax.jit(ours.apply)(variables, x), jax.jit(theirs.apply)(variables, x)
     assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
     _close(y, y_ref, y.dtype)
     assert _uses_kernel(lambda v, x: ours.apply(v, x), variables, x) != fallback
@@ -66,8 +66,8 @@ def test_linen_group_norm_matches_flax(fields, shape, fallback, x_dtype):
     def loss(module):
         return lambda v, x: jnp.sum(jnp.sin(module.apply(v, x).astype(jnp.float32)))
 
-    g = jax.grad(loss(ours), argnums=(0, 1))(variables, x)
-    g_ref = jax.grad(loss(theirs), argnums=(0, 1))(variables, x)
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
+    g_ref = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables, x)
     precise = x_dtype == jnp.float32 and y.dtype == jnp.float32
     _close(g, g_ref, jnp.float32 if precise else jnp.bfloat16, scale=1 if precise else 4)
 
@@ -114,8 +114,8 @@ def test_linen_batch_norm_matches_flax(fields, shape, x_dtype):
             return jnp.sum(jnp.sin(y.astype(jnp.float32)))
         return f
 
-    g = jax.grad(loss(ours), argnums=(0, 1))(variables["params"], x)
-    g_ref = jax.grad(loss(theirs), argnums=(0, 1))(variables["params"], x)
+    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables["params"], x)
+    g_ref = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables["params"], x)
     precise = x_dtype == jnp.float32 and y.dtype == jnp.float32
     _close(g, g_ref, jnp.float32 if precise else jnp.bfloat16, scale=10 if precise else 4)
     # evaluation: the running statistics, untouched

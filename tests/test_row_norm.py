@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import assert_close, lowering_platform, norm_np, rand, vjp64
+from reference import assert_close, lowering_platform, norm_np, rand, skip_gpu_plan_sizes, vjp64
 
 import jaxnorm
 
@@ -392,6 +392,7 @@ PLAN_CASES = [
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape,x_dtype,p_dtype", PLAN_CASES, ids=str)
 def test_every_plan(op, shape, x_dtype, p_dtype):
+    skip_gpu_plan_sizes(shape)
     x = rand(31, shape, x_dtype, offset=0.5)
     scale, bias = params(op, 31, shape[-1:], p_dtype)
     check_values(op, x, scale, bias)
@@ -407,14 +408,15 @@ def test_backward_handler_without_statistics(op, shape, x_dtype, p_dtype):
     """The backward kernel given no statistics computes them from x, on every
     plan."""
     from jaxnorm import row_norm
+    from jaxnorm._stats import param_dtype
 
+    skip_gpu_plan_sizes(shape)
     _, centered, eps = OPS[op]
     x = rand(35, shape, x_dtype, offset=0.5)
     scale, bias = params(op, 35, shape[-1:], p_dtype)
     dy = rand(36, shape, x_dtype)
     none = jnp.zeros((0,), jnp.float32)
-    # The kernels take parameters of x's dtype or float32 (the ops cast others).
-    wide = p_dtype if jnp.dtype(p_dtype) in (jnp.dtype(x_dtype), jnp.float32) else jnp.float32
+    wide = param_dtype(x_dtype, scale)  # what the ops hand the kernels
 
     def bwd(x, scale, dy):
         return row_norm.row_norm_bwd_kernel_p.bind(
@@ -429,6 +431,31 @@ def test_backward_handler_without_statistics(op, shape, x_dtype, p_dtype):
     assert_close(dscale, want[1], p_dtype, scale=float(np.sqrt(rows)) * 4)
     if centered:
         assert_close(dbias, want[2], p_dtype, scale=float(np.sqrt(rows)) * 4)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64_x_computes_in_float64(op):
+    """float64 x with float32 parameters and output: the kernels read and
+    write float64 alone (the parameters are widened, y is cast once), and the
+    gradients come back in each argument's dtype."""
+    x = rand(37, (5, 33), jnp.float64, offset=0.5)
+    scale, bias = params(op, 37, (33,), jnp.float32)
+    dy = rand(38, (5, 33), jnp.float32)
+    f = functools.partial(call, op, dtype=jnp.float32)
+    text = str(jax.make_jaxpr(f)(x, scale, bias))
+    (kernel,) = [line for line in text.splitlines() if "= jaxnorm_row_norm_fwd[" in line]
+    assert "f32" not in kernel and "out_dtype=float64" in text, text
+    y, pullback = jax.vjp(jax.jit(f), x, scale, bias)
+    _, centered, eps = OPS[op]
+    assert y.dtype == jnp.float32
+    assert_close(y, norm_np(x, scale, bias, eps, centered, 1), jnp.float32)
+    grads = pullback(dy)
+    want = vjp64(x, scale, bias, dy, eps, centered, 1)
+    for g, w, arg in zip(grads, want, (x, scale, bias)):
+        if arg is None:
+            continue
+        assert g.dtype == arg.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -691,6 +718,8 @@ def _ffi(target, outs, *args, **attrs):
         ("scale_len", r"scale has shape \(5,\), expected \(8,\)"),
         ("x_rank", "x must have rank 2"),
         ("x_int", "x has dtype"),
+        ("scale_dtype", "parameters of dtype bfloat16 are not supported with x of dtype float32"),
+        ("f64_x_f32_y", "output dtype float32 is not supported with x of dtype float64"),
         ("residual_shape", r"residual has shape \(4, 7\), expected \(4, 8\)"),
         ("residual_dtype", "residual has dtype bfloat16, expected float32"),
         ("new_residual_missing", "new_residual must be present exactly when residual is"),
@@ -715,6 +744,9 @@ def test_handlers_reject_inconsistent_buffers(case, match):
         "scale_len": dict(scale=jnp.ones((5,), f32)),
         "x_rank": dict(x=x.reshape(32), y=sd((32,), f32)),
         "x_int": dict(x=jnp.ones((4, 8), jnp.int32)),
+        "scale_dtype": dict(scale=jnp.ones((8,), jnp.bfloat16)),
+        "f64_x_f32_y": dict(x=jnp.ones((4, 8), jnp.float64), rstd=sd((4,), jnp.float64),
+                            mean=sd((0,), jnp.float64)),
         "residual_shape": dict(residual=jnp.ones((4, 7), f32), new_residual=sd((4, 7), f32)),
         "residual_dtype": dict(residual=jnp.ones((4, 8), jnp.bfloat16),
                                new_residual=sd((4, 8), jnp.bfloat16)),

@@ -158,7 +158,7 @@ inline ffi::Error check_channel_norm_bwd(const AnyBuffer& x, const AnyBuffer& sc
   }
   *own_stats = !no_stats && !has_mean;
   JAXNORM_RETURN_IF_ERROR(expect_dims(dy, "dy", {s->n, s->a, s->c, s->b}));
-  // dy: x's dtype, or float32 (the cotangent of a float32 y); the dispatch checks.
+  // dy: x's dtype, or float32 for 16-bit x (the cotangent of a float32 y); the dispatch checks.
   bool has_means = false, has_dx = false, has_sums = false, has_terms = false,
        has_dscale = false, has_dbias = false;
   JAXNORM_RETURN_IF_ERROR(

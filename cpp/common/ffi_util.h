@@ -92,20 +92,25 @@ ffi::Error dispatch_x_type(DataType x, F&& f) {
 }
 
 // Calls f(DT<Y>{}, DT<W>{}) for the output y and the parameters w of a
-// row-norm whose x is X: each either in x's dtype or in f32. Python casts
-// every other combination to one of these, which keeps the number of kernel
-// instantiations small.
+// norm whose x is X: each in x's dtype, or in f32 where x is 16-bit. Python
+// casts every other combination to one of these (float64 x computes in
+// float64 throughout), which keeps the number of kernel instantiations small.
 template <DataType X, typename F>
 ffi::Error dispatch_y_w_types(DataType y, DataType w, F&& f) {
+  constexpr bool kWide = X == DataType::BF16 || X == DataType::F16;
   auto with_y = [&](auto yt) -> ffi::Error {
     if (w == X) return f(yt, DT<X>{});
-    if (w == DataType::F32) return f(yt, DT<DataType::F32>{});
+    if constexpr (kWide) {
+      if (w == DataType::F32) return f(yt, DT<DataType::F32>{});
+    }
     return ffi::Error::InvalidArgument(
         std::string("jaxnorm: parameters of dtype ") + dtype_name(w) +
         " are not supported with x of dtype " + dtype_name(X));
   };
   if (y == X) return with_y(DT<X>{});
-  if (y == DataType::F32) return with_y(DT<DataType::F32>{});
+  if constexpr (kWide) {
+    if (y == DataType::F32) return with_y(DT<DataType::F32>{});
+  }
   return ffi::Error::InvalidArgument(
       std::string("jaxnorm: output dtype ") + dtype_name(y) +
       " is not supported with x of dtype " + dtype_name(X));

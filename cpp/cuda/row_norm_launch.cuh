@@ -13,12 +13,12 @@
 
 namespace jaxnorm::cuda {
 
-// y_type, w_type: the output's and the parameters' dtypes (x's or float32).
+// y_type, w_type: the output's and the parameters' dtypes (x's, or float32 for 16-bit x).
 template <typename X>
 ffi::Error row_norm_fwd_for(cudaStream_t stream, const DeviceInfo& dev, DataType y_type,
                             DataType w_type, const FwdArgs& a);
 
-// g_type, w_type: dy's and the parameters' dtypes (x's or float32).
+// g_type, w_type: dy's and the parameters' dtypes (x's, or float32 for 16-bit x).
 // residual: given (row_norm_args.h), the backward normalizes x + residual;
 // else null.
 template <typename X>
