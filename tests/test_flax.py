@@ -66,8 +66,10 @@ def test_linen_matches_flax(name, fields, shape, x_dtype):
     def loss(module):
         return lambda v, x: jnp.sum(jnp.sin(module.apply(v, x).astype(jnp.float32)))
 
-    g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(variables, x)
-    g_ref = jax.jit(jax.grad(loss(theirs), argnums=(0, 1)))(variables, x)
+    # Eager: under jit XLA fuses Flax's bfloat16 steps differently, and on a
+    # GPU its rounding then moved by more than the tolerance.
+    g = jax.grad(loss(ours), argnums=(0, 1))(variables, x)
+    g_ref = jax.grad(loss(theirs), argnums=(0, 1))(variables, x)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         assert a.dtype == b.dtype
         _close(a, b, jnp.float32 if a.dtype == jnp.float32 and x_dtype == jnp.float32
