@@ -78,15 +78,20 @@ def train_step_time(variant: str, dims: dict, layers: int, batch: int, seq: int)
     return summary(kernel_times_or_wall(step, params, opt_state, tokens, iters=5, warmup=2))
 
 
-def decode_step_time(variant: str, dims: dict, layers: int, batch: int, pos: int) -> dict:
+def build_decode_step(variant: str, dims: dict, layers: int, batch: int, pos: int):
+    """The jitted decode step and its arguments (params, tokens, caches, pos):
+    step(*args) returns the next tokens and caches."""
     cfg = Config(**dims, layers=layers, **VARIANTS[variant])
     model = Llama(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)  # served in bf16
-    step = make_decode_step(model)
-    caches = empty_caches(cfg, batch)
     tok = jnp.zeros((batch, 1), jnp.int32)
-    return summary(kernel_times_or_wall(step, params, tok, caches, jnp.int32(pos), iters=20))
+    return make_decode_step(model), (params, tok, empty_caches(cfg, batch), jnp.int32(pos))
+
+
+def decode_step_time(variant: str, dims: dict, layers: int, batch: int, pos: int) -> dict:
+    step, args = build_decode_step(variant, dims, layers, batch, pos)
+    return summary(kernel_times_or_wall(step, *args, iters=20))
 
 
 def cases(dims: dict, layers: int) -> dict:

@@ -55,24 +55,28 @@ VARIANTS = {  # name: Config fields
 }
 
 
-def step_time_us(model_name: str, variant: str, batch: int, size: int, channels: int,
-                 top: int = 0) -> float:
-    """The step's device time; with `top`, prints its `top` longest kernels."""
+def build_step(model_name: str, variant: str, batch: int, size: int, channels: int):
+    """The jitted training step of a model and variant, and its first arguments
+    (state, then data: step(*args) returns the new state and the loss)."""
     cfg = Config(**VARIANTS[variant], channels=channels, dtype=jnp.bfloat16)
     if model_name == "unet":
         model = UNet(cfg)
         x0 = images(jax.random.key(0), batch, size)
         params = model.init(jax.random.key(1), x0.astype(cfg.dtype))
         tx = optax.adam(1e-3)
-        args = (params, tx.init(params), x0, jax.random.key(2))
-        step = make_denoise_step(model, tx)
-    else:
-        model = ResNet(cfg)
-        x, labels = labelled_images(jax.random.key(3), batch, size)
-        variables = model.init(jax.random.key(4), x.astype(cfg.dtype), train=False)
-        tx = optax.adam(1e-3)
-        args = (variables, tx.init(variables["params"]), x, labels)
-        step = jax.jit(make_classify_step(model, tx))
+        return make_denoise_step(model, tx), (params, tx.init(params), x0, jax.random.key(2))
+    model = ResNet(cfg)
+    x, labels = labelled_images(jax.random.key(3), batch, size)
+    variables = model.init(jax.random.key(4), x.astype(cfg.dtype), train=False)
+    tx = optax.adam(1e-3)
+    step = jax.jit(make_classify_step(model, tx))
+    return step, (variables, tx.init(variables["params"]), x, labels)
+
+
+def step_time_us(model_name: str, variant: str, batch: int, size: int, channels: int,
+                 top: int = 0) -> float:
+    """The step's device time; with `top`, prints its `top` longest kernels."""
+    step, args = build_step(model_name, variant, batch, size, channels)
     kernels = kernel_times_or_wall(step, *args, iters=10, warmup=2)
     if top:
         longest = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]

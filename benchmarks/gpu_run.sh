@@ -6,7 +6,8 @@
 # STEPS picks what runs after the build (unset: tests plans bench; also
 # "examples", which runs examples/ on the machine's GPUs, "model", the
 # Llama-style model benchmark, "unet", the convolutional models' benchmark
-# (GroupNorm, BatchNorm), and "sanitize", the row-norm tests under
+# (GroupNorm, BatchNorm), "command_buffers", command_buffers.py (CB_ARGS
+# go to it), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
 # -k SANITIZE_K or named in the file SANITIZE_IDS, in SANITIZE_N shards,
 # SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
@@ -224,5 +225,10 @@ if step unet; then
   echo "== convolutional models benchmark"
   (cd benchmarks && python3 bench_unet.py --out "$OUT" ${UNET_ARGS:-}) 2>&1 \
     | tee "$OUT/bench_unet.log" | tail -8
+fi
+if step command_buffers; then
+  echo "== steps with custom calls in XLA's command buffers or not"
+  (cd benchmarks && python3 command_buffers.py --out "$OUT" ${CB_ARGS:-}) 2>&1 \
+    | tee "$OUT/command_buffers.log" | tail -14
 fi
 exit "$tests_rc"
