@@ -43,7 +43,7 @@ import jax
 from bench_llama import TINY as LLAMA_TINY
 from bench_llama import WIDE, build_decode_step
 from bench_unet import MODELS, TINY, build_step
-from devtime import kernel_events, kernel_times_or_wall, write_results
+from devtime import calls_of, kernel_events, kernel_times_or_wall, span_us, write_results
 
 MODES = {  # name: XLA flags
     "captured": "",
@@ -61,15 +61,12 @@ TINY_CASES = {"unet": ("unet", TINY["unet"]), "resnet": ("resnet", TINY["resnet"
               "llama decode": ("decode", (LLAMA_TINY, 2, 2, 10))}
 
 
-def span_us(step, args: tuple, iters: int = 10) -> float:
+def step_span_us(step, args: tuple, iters: int = 10) -> float:
     """Median span of a step on the GPU, each step waited for (the top of the
     file); NaN without a GPU trace."""
     events = kernel_events(lambda *a: jax.block_until_ready(step(*a)), *args, iters=iters)
-    per_step = len(events) // iters
-    if per_step == 0 or per_step * iters != len(events):
-        return float("nan")
-    steps = [events[i * per_step:(i + 1) * per_step] for i in range(iters)]
-    return statistics.median((max(e[1] for e in st) - st[0][0]) / 1e3 for st in steps)
+    steps = calls_of(events, iters)
+    return statistics.median(span_us(st) for st in steps) if steps else float("nan")
 
 
 def wall_us(advance, state) -> tuple[float, float]:
@@ -108,7 +105,7 @@ def child(case: str, norms: str, cases: dict) -> dict:
             return tuple(new), loss
 
     kernels = sum(kernel_times_or_wall(step, *args, iters=10, warmup=2).values())
-    span = span_us(step, args)
+    span = step_span_us(step, args)
     blocking, pipelined = wall_us(advance, args[1:3] if model == "decode" else args[:2])
     return dict(model=case, norms=norms, kernels_us=kernels, span_us=span,
                 blocking_us=blocking, pipelined_us=pipelined)

@@ -41,6 +41,20 @@ def kernel_events(fn, *args, iters: int = 20, warmup: int = 3) -> list[tuple[int
     return sorted(events)
 
 
+def calls_of(events: list, iters: int) -> list[list]:
+    """kernel_events of `iters` calls split into each call's events (every
+    call launches as many kernels); [] where they do not split evenly."""
+    per_call = len(events) // iters
+    if per_call == 0 or per_call * iters != len(events):
+        return []
+    return [events[i * per_call:(i + 1) * per_call] for i in range(iters)]
+
+
+def span_us(call: list) -> float:
+    """A call's span: from its first kernel's start to its last kernel's end."""
+    return (max(e[1] for e in call) - call[0][0]) / 1e3
+
+
 def kernel_times(fn, *args, iters: int = 20, warmup: int = 3) -> dict[str, float]:
     """Median device duration (µs) per kernel name, times its launches per call."""
     durations = collections.defaultdict(list)

@@ -24,16 +24,15 @@ def sums_and_span(fn, *args, iters: int = 30) -> tuple[float, float, int]:
     """The summed medians of the kernels of a call, the median span of a
     call, and the kernels a call launches."""
     events = devtime.kernel_events(fn, *args, iters=iters)
-    per_call = len(events) // iters
-    assert per_call * iters == len(events), (len(events), iters)
-    calls = [events[i * per_call:(i + 1) * per_call] for i in range(iters)]
-    spans = [(max(e[1] for e in c) - c[0][0]) / 1e3 for c in calls]
+    calls = devtime.calls_of(events, iters)
+    assert calls, (len(events), iters)
+    spans = [devtime.span_us(c) for c in calls]
     by_name: dict[str, list[float]] = {}
     for c in calls:
         for s, e, name in c:
             by_name.setdefault(name, []).append((e - s) / 1e3)
     summed = sum(devtime.sum_kernel_medians(by_name, iters).values())
-    return summed, statistics.median(spans), per_call
+    return summed, statistics.median(spans), len(calls[0])
 
 
 def chained_us(fn, *args, calls: int = 32, reps: int = 15) -> float:
