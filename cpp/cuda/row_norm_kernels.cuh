@@ -1499,6 +1499,27 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
   return l;
 }
 
+// Whether split a (on a_clusters resident clusters) leaves each SM fewer of
+// a row's vectors to take than split b: rows a cluster x vectors a slice.
+// Where DRAM is fast (an H200), a held block and LayerNorm's bigger unheld
+// ones (fewer_parts) took about the same time a vector of their rows, ~2
+// ns (bf16, computing the statistics, benchmarks/NOTES.md v84), so their
+// times follow that count: held in 4 blocks (30 clusters) against 3 of 352
+// threads (39), 1024x32768 76.8 against 81.9-82.0 us, 2048x32768
+// 141.2-142.2 against 148.2-148.6, 4096x32768 271.7-272.0 against
+// 282.4-283.8, 2048x30720 (slices of 960 vectors) 140.0-141.8 against
+// 143.9-144.6; and the other way, 2048x24576 in 3 held (39 clusters, 53
+// rows) 110.8-112.9 against 2 of 384's (66, 32) 94.1-96.4. At 1-3 rows a
+// cluster the held blocks ran faster than the count says (64x24576 12.9
+// against 16.6-16.9).
+inline bool fewer_vectors_a_sm(const RowPlan& a, int a_clusters, const RowPlan& b,
+                               int b_clusters, int64_t rows, int64_t nvec) {
+  auto per_sm = [&](const RowPlan& p, int clusters) {
+    return (rows + clusters - 1) / clusters * ((nvec + p.parts - 1) / p.parts);
+  };
+  return per_sm(a, a_clusters) < per_sm(b, b_clusters);
+}
+
 // Whether a split's resident blocks cover 7/8 of the SMs, the most LayerNorm's
 // split planning gives up for bigger or held blocks (fewer_parts,
 // full_held_split).
@@ -1508,8 +1529,8 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
 
 // Sets q to a split in slices of at most kMaxSliceThreads threads at
 // kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
-// returns the clusters its launch runs where DRAM is slow, the slices nearly
-// full and those clusters on 7/8 of the SMs; else 0. A split with one
+// returns the clusters its launch runs where the slices are nearly full and
+// those clusters on 7/8 of the SMs; else 0. A split with one
 // accumulator (regions 1: RMSNorm's, or LayerNorm's with one parameter) is
 // planned held (RowPlan::held): that accumulator in shared memory leaves
 // room for two unheld blocks an SM, so plan_bwd would not hold it.
@@ -1520,7 +1541,7 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
 // 256 threads 130.8-131.7 -> 112.2-113.0 us (not 2 of 384), 2048x32768 in 4
 // of 256 152.0-152.4 -> 144.4-144.8 (not 3 of 352). Slices 83% full lost
 // (2048x20480 in 3 of 224: 104.6 -> 111.7), and so did clusters on 102 SMs
-// (1024x49152 in 6 of 256: 128 -> 131). Not timed where DRAM is fast.
+// (1024x49152 in 6 of 256: 128 -> 131). Where DRAM is fast, see fewer_parts.
 template <typename X, typename G, typename W, int VEC>
 int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const DeviceInfo& dev) {
   constexpr int64_t kFull = int64_t(kMaxSliceThreads) * kMaxBwdNv;
@@ -1529,7 +1550,7 @@ int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const D
   q.parts = int(parts);
   q.tpr = threads_per_row(span, kMaxBwdNv);
   q.held = regions == 1;
-  if (!dram_is_slow(dev) || parts < 2 || parts > kMaxClusterParts || 16 * span < 15 * kFull ||
+  if (parts < 2 || parts > kMaxClusterParts || 16 * span < 15 * kFull ||
       !split_fits_slots(q.parts, q.tpr)) {
     return 0;
   }
@@ -1549,25 +1570,34 @@ int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const D
 // SMs and lost 10% to 8. RMSNorm's one accumulator in shared memory kept its
 // split faster at 16392, 20480 and 32768 wide.
 //
-// Where DRAM is slow, full held slices come first (full_held_split).
+// Full held slices (full_held_split) come first where DRAM is slow, and
+// where it is fast if they leave each SM fewer of a row's vectors to take
+// (fewer_vectors_a_sm).
 template <typename X, typename G, typename W, int VEC>
-RowPlan fewer_parts(const RowPlan& p, int64_t hidden, int regions, bool plain,
+RowPlan fewer_parts(const RowPlan& p, int64_t rows, int64_t hidden, int regions, bool plain,
                     const DeviceInfo& dev) {
   if (regions < 2) return p;
-  if (RowPlan q = p; full_held_split<X, G, W, VEC>(q, hidden, regions, plain, dev) > 0) return q;
+  RowPlan held = p;
+  const int held_clusters = full_held_split<X, G, W, VEC>(held, hidden, regions, plain, dev);
+  if (held_clusters > 0 && dram_is_slow(dev)) return held;
   const int64_t nvec = hidden / VEC;
+  RowPlan q = p;
   for (int parts = 2; parts < p.parts; ++parts) {
-    RowPlan q = p;
-    q.parts = parts;
-    q.tpr = threads_per_row((nvec + parts - 1) / parts, kMaxBwdNv);
-    if (q.tpr > kAccRegsThreads || !bwd_acc_in_regs<X, G, W, VEC>(q, hidden, regions, plain) ||
-        bwd_smem_bytes<X, G, W, VEC>(q, hidden, false, regions, true) > dev.max_dynamic_smem) {
+    RowPlan r = p;
+    r.parts = parts;
+    r.tpr = threads_per_row((nvec + parts - 1) / parts, kMaxBwdNv);
+    if (r.tpr > kAccRegsThreads || !bwd_acc_in_regs<X, G, W, VEC>(r, hidden, regions, plain) ||
+        bwd_smem_bytes<X, G, W, VEC>(r, hidden, false, regions, true) > dev.max_dynamic_smem) {
       continue;
     }
-    const int blocks = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev).grid;
-    if (covers_most_sms(blocks, dev)) return q;
+    if (covers_most_sms(plan_bwd<X, G, W, VEC>(r, hidden, false, regions, plain, dev).grid, dev)) {
+      q = r;
+      break;
+    }
   }
-  return p;
+  if (held_clusters == 0) return q;
+  const int clusters = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev).grid / q.parts;
+  return fewer_vectors_a_sm(held, held_clusters, q, clusters, rows, nvec) ? held : q;
 }
 
 // Whether a plan of the backward runs one block an SM: its accumulators in
@@ -1743,7 +1773,7 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain, boo
       : nvec > kMaxBwdNv * kMaxRowThreads ? plan_bwd_split(rows, nvec, dev)
       : plan_with_nv(rows, nvec, kMaxBwdNv, sms);
   if (p.nv == 0) return p;
-  if (p.parts > 1) p = fewer_parts<X, G, W, VEC>(p, hidden, regions, plain, dev);
+  if (p.parts > 1) p = fewer_parts<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
   RowPlan wide = p;  // (a cluster's blocks take one row)
   if (p.parts == 1 && kAccRegsThreads / p.tpr > p.rows_per_block) {
     wide.rows_per_block = kAccRegsThreads / p.tpr;
