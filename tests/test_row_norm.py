@@ -325,9 +325,9 @@ PLAN_CASES = [
     # clusters of 4 blocks of up to 384 threads, not 8 (the last slice 1150
     # of 1153 vectors at 36872); of 24576 bf16 in 2 blocks of 384 threads
     # (the kernel's bound), not 4, where DRAM is fast, and in 3 of 256, held
-    # (full_held_split), where it is slow or the rows few (78: fewer_parts'
-    # vectors an SM), as 32768 in 4 on both and, where DRAM is fast, 30720
-    # in 4 slices of 960 vectors
+    # (full_held_split), where it is slow or the rows few (78 and 200: at
+    # most 8 rows a cluster, fewer_parts), as 32768 in 4 on both and, where
+    # DRAM is fast, 30720 in 4 slices of 960 vectors
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
     ((40, 49160), jnp.float16, jnp.float16),
     ((3, 20000), jnp.float32, jnp.float32),
@@ -338,6 +338,7 @@ PLAN_CASES = [
     ((3, 32772), jnp.float64, jnp.float64),
     *gpu_only(((530, 24576), jnp.bfloat16, jnp.bfloat16)),
     *gpu_only(((78, 24576), jnp.bfloat16, jnp.bfloat16)),
+    *gpu_only(((200, 24576), jnp.bfloat16, jnp.bfloat16)),
     *gpu_only(((300, 30720), jnp.bfloat16, jnp.bfloat16)),
     # The backward of 16-bit rows of 513-1024 vectors computing its
     # statistics on sm_90 (warp roles, row_norm_bwd_roles.cuh): 600x8192 and

@@ -1509,9 +1509,7 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
 // 141.2-142.2 against 148.2-148.6, 4096x32768 271.7-272.0 against
 // 282.4-283.8, 2048x30720 (slices of 960 vectors) 140.0-141.8 against
 // 143.9-144.6; and the other way, 2048x24576 in 3 held (39 clusters, 53
-// rows) 110.8-112.9 against 2 of 384's (66, 32) 94.1-96.4. At 1-3 rows a
-// cluster the held blocks ran faster than the count says (64x24576 12.9
-// against 16.6-16.9).
+// rows) 110.8-112.9 against 2 of 384's (66, 32) 94.1-96.4.
 inline bool fewer_vectors_a_sm(const RowPlan& a, int a_clusters, const RowPlan& b,
                                int b_clusters, int64_t rows, int64_t nvec) {
   auto per_sm = [&](const RowPlan& p, int clusters) {
@@ -1572,7 +1570,14 @@ int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const D
 //
 // Full held slices (full_held_split) come first where DRAM is slow, and
 // where it is fast if they leave each SM fewer of a row's vectors to take
-// (fewer_vectors_a_sm).
+// (fewer_vectors_a_sm) or their clusters take at most kFewHeldRows rows
+// each: there the bigger blocks' launch costs more than their rows save.
+// On an H200 (bf16, computing the statistics, benchmarks/NOTES.md v84) 3
+// held blocks against 2 of 384 threads at 24576 wide: 32 rows 11.2 against
+// 13.7 us, 64 12.9 against 16.7-16.8, 300 (8 rows a cluster) 25.2-25.3
+// against 27.4; 512 (14) 36.3-36.5 against 35.5-35.7; ~4.7 us more a
+// launch and ~13% less a vector for the bigger blocks.
+constexpr int64_t kFewHeldRows = 8;
 template <typename X, typename G, typename W, int VEC>
 RowPlan fewer_parts(const RowPlan& p, int64_t rows, int64_t hidden, int regions, bool plain,
                     const DeviceInfo& dev) {
@@ -1597,7 +1602,8 @@ RowPlan fewer_parts(const RowPlan& p, int64_t rows, int64_t hidden, int regions,
   }
   if (held_clusters == 0) return q;
   const int clusters = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev).grid / q.parts;
-  return fewer_vectors_a_sm(held, held_clusters, q, clusters, rows, nvec) ? held : q;
+  const bool few_rows = rows <= kFewHeldRows * held_clusters;
+  return few_rows || fewer_vectors_a_sm(held, held_clusters, q, clusters, rows, nvec) ? held : q;
 }
 
 // Whether a plan of the backward runs one block an SM: its accumulators in
