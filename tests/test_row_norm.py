@@ -326,8 +326,9 @@ PLAN_CASES = [
     # of 1153 vectors at 36872); of 24576 bf16 in 2 blocks of 384 threads
     # (the kernel's bound), not 4, where DRAM is fast, and in 3 of 256, held
     # (full_held_split), where it is slow or the rows few (78 and 200: at
-    # most 8 rows a cluster, fewer_parts), as 32768 in 4 on both and, where
-    # DRAM is fast, 30720 in 4 slices of 960 vectors
+    # most 8 rows a cluster, fewer_parts; 32: fewer rows than clusters), as
+    # 32768 in 4 on both and, where DRAM is fast, 30720 in 4 slices of 960
+    # vectors; RMSNorm's held where DRAM is fast and the rows few (64x32768)
     ((9, 40968), jnp.bfloat16, jnp.bfloat16),
     ((40, 49160), jnp.float16, jnp.float16),
     ((3, 20000), jnp.float32, jnp.float32),
@@ -340,6 +341,8 @@ PLAN_CASES = [
     *gpu_only(((78, 24576), jnp.bfloat16, jnp.bfloat16)),
     *gpu_only(((200, 24576), jnp.bfloat16, jnp.bfloat16)),
     *gpu_only(((300, 30720), jnp.bfloat16, jnp.bfloat16)),
+    *gpu_only(((32, 24576), jnp.bfloat16, jnp.float32)),
+    *gpu_only(((64, 32768), jnp.bfloat16, jnp.bfloat16)),
     # The backward of 16-bit rows of 513-1024 vectors computing its
     # statistics on sm_90 (warp roles, row_norm_bwd_roles.cuh): 600x8192 and
     # 560x7176 above; a row's last vectors masked in both roles (625 vectors);

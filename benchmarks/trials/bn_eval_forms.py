@@ -5,9 +5,12 @@ running statistics, as the benchmark's batch_norm_eval rows).
     python benchmarks/trials/bn_eval_forms.py
 
 Evaluation is all jax.numpy so that XLA fuses it with what surrounds it; the
-per-channel rsqrt then becomes a kernel of its own (~1.3 µs). The last two
-forms: the rsqrt in cheap ops, and jaxnorm's channel kernels given the
-statistics (alone, and followed by a residual add and ReLU).
+per-channel rsqrt then becomes a kernel of its own (~1.3 µs). The last
+forms: the rsqrt in cheap ops, x over uint32 pairs of channels (4-byte
+elements for XLA's loop), and jaxnorm's channel kernels given the
+statistics (alone, and followed by a residual add and ReLU). Two baselines
+that are not BatchNorm give XLA's bf16 elementwise ceiling: x * 2, over bf16
+elements and over pairs.
 """
 
 from __future__ import annotations
@@ -69,6 +72,47 @@ def rsqrt_in_cheap_ops(x, w, b, m, v):
     return ((x.astype(jnp.float32) - m) * r * w + b).astype(x.dtype)
 
 
+def _pairs(x):
+    """bf16 (..., C) as uint32 (..., C / 2): two channels an element."""
+    return lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+
+
+def _halves(u):
+    """The even and odd channels of _pairs' elements, exactly, as float32."""
+    lo = lax.bitcast_convert_type(u << 16, jnp.float32)
+    hi = lax.bitcast_convert_type(u & jnp.uint32(0xFFFF0000), jnp.float32)
+    return lo, hi
+
+
+def _unpairs(lo, hi, shape):
+    """float32 even and odd channels rounded to bf16 (XLA's conversion) and
+    interleaved back into x's shape."""
+    def bits(t):
+        return lax.bitcast_convert_type(t.astype(jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+
+    u = bits(lo) | (bits(hi) << 16)
+    return lax.bitcast_convert_type(u, jnp.bfloat16).reshape(shape)
+
+
+def in_pairs(x, w, b, m, v):
+    """x a + c over uint32 pairs of channels: XLA's loop over 4-byte
+    elements rather than 2-byte ones (whether it then loads more a thread)."""
+    a = w * lax.rsqrt(v + EPS)
+    c = b - m * a
+    lo, hi = _halves(_pairs(x))
+    return _unpairs(lo * a[0::2] + c[0::2], hi * a[1::2] + c[1::2], x.shape)
+
+
+def bf16_scale(x, *_):
+    """XLA's ceiling for a bf16 elementwise pass: x * 2, nothing a channel."""
+    return (x.astype(jnp.float32) * 2).astype(x.dtype)
+
+
+def bf16_scale_in_pairs(x, *_):
+    lo, hi = _halves(_pairs(x))
+    return _unpairs(lo * 2, hi * 2, x.shape)
+
+
 def channel_kernel(x, w, b, m, v):
     """jaxnorm's channel-norm kernels given the statistics (GroupNorm's path,
     a group a channel), not XLA."""
@@ -80,10 +124,12 @@ def channel_kernel(x, w, b, m, v):
 
 
 FORMS = [per_channel_rsqrt, folded, divide_by_sqrt, rsqrt_per_element, rsqrt_of_x_shaped,
-         rsqrt_in_cheap_ops, channel_kernel]
+         rsqrt_in_cheap_ops, in_pairs, channel_kernel]
+# Not BatchNorm: XLA's bf16 elementwise pass alone, as 2-byte and 4-byte elements.
+BASELINES = [bf16_scale, bf16_scale_in_pairs]
 # Forms timed again followed by a residual add and a ReLU (a ResNet block's
 # next ops), which XLA fuses into its elementwise pass but not into a kernel.
-THEN_RESIDUAL_RELU = [per_channel_rsqrt, channel_kernel]
+THEN_RESIDUAL_RELU = [per_channel_rsqrt, in_pairs, channel_kernel]
 
 
 def main():
@@ -98,9 +144,10 @@ def main():
         m = 0.1 * jax.random.normal(k[3], (c,))
         v = 1 + jax.random.uniform(k[4], (c,))
         ref = per_channel_rsqrt(x, w, b, m, v).astype(jnp.float32)
-        for form in FORMS:
+        for form in FORMS + BASELINES:
             fn = jax.jit(form)
-            err = float(jnp.max(jnp.abs(fn(x, w, b, m, v).astype(jnp.float32) - ref)))
+            want = bf16_scale(x) if form in BASELINES else ref
+            err = float(jnp.max(jnp.abs(fn(x, w, b, m, v).astype(jnp.float32) - want)))
             times = kernel_times(fn, x, w, b, m, v, iters=50)
             total = sum(times.values())
             gbps = 2 * x.size * 2 / total / 1e3 if total else 0.0

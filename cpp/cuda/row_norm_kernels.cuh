@@ -1527,8 +1527,10 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
 
 // Sets q to a split in slices of at most kMaxSliceThreads threads at
 // kMaxBwdNv vectors (1024 16-byte vectors), held (bwd_regs' kHold), and
-// returns the clusters its launch runs where the slices are nearly full and
-// those clusters on 7/8 of the SMs; else 0. A split with one
+// returns the clusters resident at once where the slices are nearly full and
+// those clusters fill 7/8 of the SMs; else 0. Fewer rows than that leave
+// SMs idle in any split, and held still ran faster (on an H200, 32x24576
+// LayerNorm in 3 held blocks 11.6 against 4 of 192 12.8 us, v85). A split with one
 // accumulator (regions 1: RMSNorm's, or LayerNorm's with one parameter) is
 // planned held (RowPlan::held): that accumulator in shared memory leaves
 // room for two unheld blocks an SM, so plan_bwd would not hold it.
@@ -1553,8 +1555,9 @@ int full_held_split(RowPlan& q, int64_t hidden, int regions, bool plain, const D
     return 0;
   }
   const auto l = plan_bwd<X, G, W, VEC>(q, hidden, false, regions, plain, dev);
-  const bool held = l.kernel == bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true);
-  return held && covers_most_sms(l.grid, dev) ? l.grid / q.parts : 0;
+  if (l.kernel != bwd_regs_kernel<X, G, W, VEC>(true, true, true, false, true)) return 0;
+  const int clusters = resident_clusters(l.kernel, q.threads(), l.smem, q.parts, dev);
+  return covers_most_sms(clusters * q.parts, dev) ? clusters : 0;
 }
 
 // LayerNorm's cluster split (two accumulators): the fewest blocks a row of up
@@ -1719,7 +1722,8 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
 
 // RMSNorm's split (any with one accumulator) in full held slices
 // (full_held_split) where each of its clusters takes at most
-// kHeldRowsPerCluster rows. Held, one block an SM
+// `rows_per_cluster` rows: kHeldRowsPerCluster where DRAM is slow,
+// kFewHeldRows where it is fast. Held, one block an SM
 // takes a cluster's rows in fewer rounds, and its launch starts and ends
 // sooner, than the unheld splits' two blocks an SM; over more rows their
 // steadier rate wins. On an H100 (bf16, computing the statistics,
@@ -1728,15 +1732,21 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
 // 41.9-42.1, 512x65536 78.7-79.5 -> 75.0-75.2, 768x32768 61.7-62.1 ->
 // 58.5-58.7, 1024x32768 79.8-80.0 -> 75.7-75.8, 1024x24576 63.6 -> 59.0);
 // 39-53 2-5% faster at 24576 and 65536 wide, 1% slower at 1280x32768 (97.3-97.6
-// -> 98.2-99.0); 60-137 2-4% slower.
+// -> 98.2-99.0); 60-137 2-4% slower. On an H200 (v85; us, against the
+// split of 192-256 threads, two blocks an SM) by rows a cluster: 1-2
+// 3-16% faster (32x24576 9.0 -> 8.3, 64x24576 11.4 -> 9.9, 64x32768 13.4
+// -> 11.3, 32x65536 13.2 -> 11.4), 3-7 1-10% (128x24576 13.8 -> 13.3,
+// 256x24576 19.1 -> 18.9, 128x32768 16.6 -> 14.9, 64x65536 15.9 -> 15.1);
+// at 8.2-8.5 3% slower at 320x24576, 4-5% faster at 256x32768 and
+// 128x65536; 17 5% slower (256x65536 37.6 -> 39.5).
 constexpr int kHeldRowsPerCluster = 40;
 
 template <typename X, typename G, typename W, int VEC>
 RowPlan rms_held_split(const RowPlan& p, int64_t rows, int64_t hidden, bool plain,
-                       const DeviceInfo& dev) {
+                       int64_t rows_per_cluster, const DeviceInfo& dev) {
   RowPlan q = p;
   const int clusters = full_held_split<X, G, W, VEC>(q, hidden, 1, plain, dev);
-  return clusters > 0 && rows <= int64_t(kHeldRowsPerCluster) * clusters ? q : p;
+  return clusters > 0 && rows <= rows_per_cluster * clusters ? q : p;
 }
 
 // Where DRAM is slow (dy as wide as x): a plain cluster split of 16-bit rows
@@ -1751,7 +1761,10 @@ RowPlan plan_where_dram_is_slow(const RowPlan& p, int64_t rows, int64_t hidden, 
   if (!dram_is_slow(dev) || sizeof(G) != sizeof(X)) return p;
   if (p.parts > 1) {
     if (!plain || !own_stats || sizeof(X) != 2) return p;
-    const RowPlan q = regions == 1 ? rms_held_split<X, G, W, VEC>(p, rows, hidden, plain, dev) : p;
+    const RowPlan q =
+        regions == 1
+            ? rms_held_split<X, G, W, VEC>(p, rows, hidden, plain, kHeldRowsPerCluster, dev)
+            : p;
     return q.held ? q : split_at_two_vectors<VEC>(p, hidden, regions);
   }
   if (!one_block_an_sm<X, G, W, VEC>(p, hidden, regions, plain)) return p;
@@ -1780,6 +1793,9 @@ RowPlan plan_bwd_rows(int64_t rows, int64_t hidden, int regions, bool plain, boo
       : plan_with_nv(rows, nvec, kMaxBwdNv, sms);
   if (p.nv == 0) return p;
   if (p.parts > 1) p = fewer_parts<X, G, W, VEC>(p, rows, hidden, regions, plain, dev);
+  if (p.parts > 1 && regions == 1 && !dram_is_slow(dev)) {  // (slow: plan_where_dram_is_slow)
+    p = rms_held_split<X, G, W, VEC>(p, rows, hidden, plain, kFewHeldRows, dev);
+  }
   RowPlan wide = p;  // (a cluster's blocks take one row)
   if (p.parts == 1 && kAccRegsThreads / p.tpr > p.rows_per_block) {
     wide.rows_per_block = kAccRegsThreads / p.tpr;
