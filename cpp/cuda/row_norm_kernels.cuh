@@ -1733,10 +1733,11 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
 // 58.5-58.7, 1024x32768 79.8-80.0 -> 75.7-75.8, 1024x24576 63.6 -> 59.0);
 // 39-53 2-5% faster at 24576 and 65536 wide, 1% slower at 1280x32768 (97.3-97.6
 // -> 98.2-99.0); 60-137 2-4% slower. On an H200 (v85; us, against the
-// split of 192-256 threads, two blocks an SM) by rows a cluster: 1-2
-// 3-16% faster (32x24576 9.0 -> 8.3, 64x24576 11.4 -> 9.9, 64x32768 13.4
-// -> 11.3, 32x65536 13.2 -> 11.4), 3-7 1-10% (128x24576 13.8 -> 13.3,
-// 256x24576 19.1 -> 18.9, 128x32768 16.6 -> 14.9, 64x65536 15.9 -> 15.1);
+// split of 192-256 threads, two blocks an SM) by rows a cluster: 0.2-0.5
+// 0-4% faster, 0.8-2.1 8-16% (32x24576 9.0 -> 8.3, 64x24576 11.4 -> 9.9,
+// 64x32768 13.4 -> 11.3, 32x65536 13.2 -> 11.4), 3.3-6.6 1-10% (128x24576
+// 13.8 -> 13.3, 256x24576 19.1 -> 18.9, 128x32768 16.6 -> 14.9, 64x65536
+// 15.9 -> 15.1);
 // at 8.2-8.5 3% slower at 320x24576, 4-5% faster at 256x32768 and
 // 128x65536; 17 5% slower (256x65536 37.6 -> 39.5).
 constexpr int kHeldRowsPerCluster = 40;
