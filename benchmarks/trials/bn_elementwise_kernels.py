@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -61,9 +62,7 @@ def ops_alone():
                                                             jnp.bfloat16))
                     t[name] = sum(times.values())
                     print(f"# {op} {pass_} {shape} {name}: {kernel_summary(times)}", flush=True)
-                n = 1
-                for d in shape:
-                    n *= d
+                n = math.prod(shape)
                 copy_us = (2 if pass_ == "fwd" else 3) * 2 * n / brn.COPY_GBPS / 1e3
                 print(f"{op:16s} {pass_:7s} {'x'.join(map(str, shape)):14s} "
                       f"xla {t['xla']:6.1f}  jaxnorm {t['jaxnorm']:6.1f} "

@@ -1530,10 +1530,11 @@ inline bool covers_most_sms(int blocks, const DeviceInfo& dev) {
 // returns the clusters resident at once where the slices are nearly full and
 // those clusters fill 7/8 of the SMs; else 0. Fewer rows than that leave
 // SMs idle in any split, and held still ran faster (on an H200, 32x24576
-// LayerNorm in 3 held blocks 11.6 against 4 of 192 12.8 us, v85). A split with one
-// accumulator (regions 1: RMSNorm's, or LayerNorm's with one parameter) is
-// planned held (RowPlan::held): that accumulator in shared memory leaves
-// room for two unheld blocks an SM, so plan_bwd would not hold it.
+// LayerNorm in 3 held blocks 11.6 against 4 of 192 12.8 us, v85). A split
+// with one accumulator (regions 1: RMSNorm's, or LayerNorm's with one
+// parameter) is planned held (RowPlan::held): that accumulator in shared
+// memory leaves room for two unheld blocks an SM, so plan_bwd would not
+// hold it.
 // A held block spends about the same on its slice of a row at any width up
 // to that (2.1-2.3 us on H100s), so full slices move the most bytes an SM.
 // On H100s (bf16, computing the statistics, benchmarks/NOTES.md v70), against
@@ -1737,9 +1738,8 @@ RowPlan split_at_two_vectors(const RowPlan& p, int64_t hidden, int regions) {
 // 0-4% faster, 0.8-2.1 8-16% (32x24576 9.0 -> 8.3, 64x24576 11.4 -> 9.9,
 // 64x32768 13.4 -> 11.3, 32x65536 13.2 -> 11.4), 3.3-6.6 1-10% (128x24576
 // 13.8 -> 13.3, 256x24576 19.1 -> 18.9, 128x32768 16.6 -> 14.9, 64x65536
-// 15.9 -> 15.1);
-// at 8.2-8.5 3% slower at 320x24576, 4-5% faster at 256x32768 and
-// 128x65536; 17 5% slower (256x65536 37.6 -> 39.5).
+// 15.9 -> 15.1); at 8.2-8.5 3% slower at 320x24576, 4-5% faster at
+// 256x32768 and 128x65536; 17 5% slower (256x65536 37.6 -> 39.5).
 constexpr int kHeldRowsPerCluster = 40;
 
 template <typename X, typename G, typename W, int VEC>
