@@ -157,11 +157,17 @@ def test_group_norm_large_mean_is_stable():
     ((8, 1, 5, 1280), 32, jnp.float32, None, 0.5),      # fewer rows than blocks
     ((6, 16, 16, 256), 256, jnp.bfloat16, "relu", 0.5),  # one channel a group
     ((4, 32, 32, 640), 32, jnp.float32, None, 1e3),     # a large mean
+    # several clusters a sample, meeting through global memory
+    ((8, 32, 32, 1280), 32, jnp.bfloat16, None, 0.5),
+    ((2, 64, 64, 320), 32, jnp.float16, "silu", 0.5),
+    ((2, 33, 31, 640), 20, jnp.bfloat16, None, 0.5),    # rows not a multiple of the blocks
+    ((3, 128, 128, 128), 32, jnp.float32, None, 1e3),   # a large mean
 ], ids=str)
 def test_group_norm_samples_in_clusters(shape, groups, dtype, act, offset):
-    """Batches whose samples the CUDA forward takes a cluster of blocks each
-    (channel_norm_cluster.cuh, on an H100 or H200): y and, through the
-    gradients, the statistics it saves, against float64; the same bits twice."""
+    """Batches whose samples the CUDA forward takes in one cluster of blocks
+    each, or in several (channel_norm_cluster.cuh, on an H100 or H200): y
+    and, through the gradients, the statistics it saves, against float64; the
+    same bits twice."""
     x = rand(63, shape, dtype, offset=offset)
     scale, bias = params(64, shape[-1], jnp.float32)
     y = gn(x, groups, scale, bias, activation=act)
@@ -201,19 +207,21 @@ def _gpu_kernel_names(f, *args, logdir):
 @pytest.mark.skipif(not any(k in jax.devices()[0].device_kind for k in ("H100", "H200")),
                     reason="the cluster plan's rule is drawn from an H200 (notes v80)")
 def test_batches_that_fit_take_the_cluster_forward(tmp_path):
-    """test_group_norm_samples_in_clusters' first batch runs as one launch of
-    the cluster kernel; a batch of two samples (too few SMs) keeps the passes."""
+    """Batches of test_group_norm_samples_in_clusters run as one launch of
+    the cluster kernel (one cluster a sample at 4, several at 2 and 8); one
+    sample (too few SMs) keeps the passes."""
     def names(shape, sub):
         x = rand(66, shape, jnp.bfloat16)
         return _gpu_kernel_names(jax.jit(lambda x: jaxnorm.group_norm(x, 32)), x,
                                  logdir=tmp_path / sub)
 
-    four = names((4, 32, 32, 1280), "four")
-    assert any("group_norm_cluster_fwd" in n for n in four), four
-    assert not any("tile_stats" in n for n in four), four
-    two = names((2, 32, 32, 1280), "two")
-    assert any("tile_stats" in n for n in two), two
-    assert not any("group_norm_cluster_fwd" in n for n in two), two
+    for n in (2, 4, 8):
+        got = names((n, 32, 32, 1280), str(n))
+        assert any("group_norm_cluster_fwd" in k for k in got), got
+        assert not any("tile_stats" in k for k in got), got
+    one = names((1, 32, 32, 1280), "one")
+    assert any("tile_stats" in k for k in one), one
+    assert not any("group_norm_cluster_fwd" in k for k in one), one
 
 
 def test_nan_stays_in_its_group():

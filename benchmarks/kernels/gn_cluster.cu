@@ -4,12 +4,16 @@
 // bias, 32 groups; for each sample shape and batch size the cluster plan
 // (blocks a cluster, clusters that run at once), both forwards' time
 // (CUDA graphs and events, as channel_probe.cu), and the cluster forward's y
-// and statistics against the passes' (parts 0: the handler keeps the passes).
-// The plan's rule (plan_cluster_gn) was drawn from this table with every
-// batch planned (notes v80).
+// and statistics against the passes'. Each batch runs in every shape that
+// fits: 16, 8, 4, 2 or 1 blocks a cluster, one cluster a sample and the most
+// clusters a sample that run at once; "plan" marks plan_cluster_gn's (none:
+// the handler keeps the passes). Its rule was drawn from this table (notes
+// v80, v86).
 //
 // Build as channel_probe.cu (benchmarks/prebuild.sh).
 #include <cstdio>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/channel_norm_cluster.cuh"
@@ -26,10 +30,13 @@ struct Case {
 };
 
 int main() {
-  const std::vector<Case> cases = {{"32x32x1280", 32 * 32, 1280, {1, 2, 4, 6, 8}},
-                                   {"64x64x320", 64 * 64, 320, {4, 16}},
+  const std::vector<Case> cases = {{"32x32x1280", 32 * 32, 1280, {1, 2, 3, 4, 6, 8}},
+                                   {"128x128x128", 128 * 128, 128, {2, 3, 4}},
+                                   {"64x64x320", 64 * 64, 320, {2, 4, 8}},
                                    {"32x32x640", 32 * 32, 640, {4, 8, 16}},
-                                   {"16x16x1280", 16 * 16, 1280, {8, 16, 64}}};
+                                   {"16x16x1280", 16 * 16, 1280, {8, 16}}};
+  // ONLY=sample:n:parts:m runs that case alone (for Nsight Compute).
+  const char* only = std::getenv("ONLY");
   constexpr int V = 8, kGroups = 32;
   const DeviceInfo& dev = device_info(0);
   cudaDeviceProp prop;
@@ -37,8 +44,8 @@ int main() {
   std::printf("# %s, %d SMs, %s. µs a call (median of 7 graphs of 20 calls); %% of copy: "
               "x read and y written at the copy's rate\n",
               prop.name, dev.sms, utc_date().c_str());
-  std::printf("%-12s %4s %5s %6s %6s %8s %8s %8s %6s %6s %9s %9s %9s\n", "sample", "n",
-              "parts", "active", "copy", "passes", "cluster", "ratio", "p%", "c%",
+  std::printf("%-12s %4s %5s %5s %6s %6s %8s %8s %8s %6s %6s %9s %9s %9s\n", "sample", "n",
+              "parts", "m", "active", "copy", "passes", "cluster", "ratio", "p%", "c%",
               "y-diff", "mean-diff", "var-diff");
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
@@ -93,20 +100,50 @@ int main() {
       const auto ya = to_host(y, elems, true);
       const auto ma = to_host(mean, n * kGroups, false), va = to_host(var, n * kGroups, false);
       auto pct = [&](float us) { return us > 0 ? 100.0 * copy / us : 0.0; };
-      ClusterGnPlan plan = plan_cluster_gn<bf16, bf16, float, V>(n, k.rows, k.c, gs, dev);
-      plan.args.epsilon = 1e-5;
-      auto cluster = [&] {
-        CHECK((launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, mean2, var2, y2)));
-      };
-      float t_cluster = 0;
-      RelativeError ey, em, ev;
-      const int active =
-          plan.parts > 0 ? resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V>,
-                                             kClusterGnThreads, plan.smem, plan.parts, dev)
-                         : 0;
-      if (plan.parts > 0) {
+      const ClusterGnPlan planned = plan_cluster_gn<bf16, bf16, float, V>(n, k.rows, k.c, gs, dev);
+      std::vector<ClusterGnPlan> shapes;
+      for (int parts : {16, 8, 4, 2}) {
+        ClusterGnPlan one, fewest, most;
+        for (int m = 1; m * n <= dev.sms; ++m) {
+          const ClusterGnPlan q =
+              cluster_gn_shape<bf16, bf16, float, V>(n, k.rows, k.c, gs, parts, m, dev);
+          if (q.parts == 0) continue;
+          if (m == 1) one = q;
+          if (m > 1 && fewest.parts == 0) fewest = q;
+          most = q;
+        }
+        for (const ClusterGnPlan& q : {one, fewest, most}) {
+          const bool seen = shapes.size() > 0 && shapes.back().parts == q.parts &&
+                            shapes.back().args.clusters_per_sample == q.args.clusters_per_sample;
+          if (q.parts > 0 && !seen) shapes.push_back(q);
+        }
+      }
+      std::printf("%-12s %4lld %5s %5s %6s %6.1f %8.1f %8s %8s %5.0f%%  plan: parts %d m %d\n",
+                  k.sample, (long long)n, "-", "-", "-", copy, t_passes, "-", "-",
+                  pct(t_passes), planned.parts, planned.args.clusters_per_sample);
+      void* exchange = nullptr;
+      CHECK(cudaMalloc(&exchange, size_t(n) * dev.sms * (k.c * sizeof(float2) + 4)));
+      for (ClusterGnPlan plan : shapes) {
+        plan.args.epsilon = 1e-5;
+        const int m = plan.args.clusters_per_sample;
+        const std::string id = std::string(k.sample) + ":" + std::to_string(n) + ":" +
+                               std::to_string(plan.parts) + ":" + std::to_string(m);
+        if (only && id != only) continue;
+        auto cluster = [&] {
+          CHECK((launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, exchange, mean2,
+                                                         var2, y2)));
+        };
+        RelativeError ey, em, ev;
+        const int active = resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V>,
+                                             kClusterGnThreads, plan.smem, plan.parts, dev);
         CHECK(cudaMemset(y2, 0, bytes));
-        cluster();
+        const cudaError_t err = launch_cluster_gn<bf16, bf16, float, V>(
+            s, plan, n, x, p, exchange, mean2, var2, y2);
+        if (err != cudaSuccess) {
+          std::printf("%-12s %4lld %5d %5d launch failed: %s\n", k.sample, (long long)n,
+                      plan.parts, m, cudaGetErrorString(err));
+          continue;
+        }
         CHECK(cudaStreamSynchronize(s));
         CHECK(cudaGetLastError());
         const auto yb = to_host(y2, elems, true);
@@ -114,13 +151,15 @@ int main() {
         const auto mb = to_host(mean2, n * kGroups, false);
         const auto vb = to_host(var2, n * kGroups, false);
         for (int64_t i = 0; i < n * kGroups; ++i) em.add(mb[i], ma[i]), ev.add(vb[i], va[i]);
-        t_cluster = time_us(s, cluster);
+        const float t_cluster = time_us(s, cluster);
+        const bool is_plan = plan.parts == planned.parts && m == planned.args.clusters_per_sample;
+        std::printf("%-12s %4lld %5d %5d %6d %6.1f %8.1f %8.1f %8.2f %5.0f%% %5.0f%% %9.1e "
+                    "%9.1e %9.1e%s\n",
+                    k.sample, (long long)n, plan.parts, m, active, copy, t_passes, t_cluster,
+                    t_passes / t_cluster, pct(t_passes), pct(t_cluster), ey.value(),
+                    em.value(), ev.value(), is_plan ? "  plan" : "");
       }
-      std::printf("%-12s %4lld %5d %6d %6.1f %8.1f %8.1f %8.2f %5.0f%% %5.0f%% %9.1e %9.1e "
-                  "%9.1e\n",
-                  k.sample, (long long)n, plan.parts, active, copy, t_passes, t_cluster,
-                  t_cluster > 0 ? t_passes / t_cluster : 0.0, pct(t_passes), pct(t_cluster),
-                  ey.value(), em.value(), ev.value());
+      CHECK(cudaFree(exchange));
       for (bf16* q : {x, y, y2}) CHECK(cudaFree(q));
       for (float* q : {partial, chan, mean, var, mean2, var2, scale, bias}) CHECK(cudaFree(q));
     }

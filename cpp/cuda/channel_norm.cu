@@ -78,8 +78,12 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     if (plan.parts > 0) {
       plan.args.epsilon = epsilon;
       plan.args.act = act;
-      return cuda_error(launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, mean, var, y),
-                        "channel_norm_fwd (clusters)");
+      float* exchange = nullptr;
+      JAXNORM_RETURN_IF_ERROR(
+          scratch_of(scratch, int64_t(plan.exchange_bytes(s.n) + 3) / 4, &exchange));
+      return cuda_error(
+          launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, exchange, mean, var, y),
+          "channel_norm_fwd (clusters)");
     }
   }
   if (!given) {

@@ -15,6 +15,12 @@
 // Shifted sums: var = E[d^2] - E[d]^2 with d = x - shift loses nothing to a
 // large mean (shift is one of the group's values, so d is of the size of the
 // group's spread), unlike x's raw moments.
+//
+// A sample may also take several clusters (clusters_per_sample), so that a
+// batch spreads over every SM: their blocks must all be resident at once,
+// which the launch asks of the runtime (cooperative). Each cluster's rank 0
+// publishes its sums to global memory and counts itself in; every block waits
+// for its sample's count, then adds the clusters' sums in cluster order.
 #pragma once
 
 #include "cuda/channel_norm_kernels.cuh"
@@ -28,7 +34,8 @@ constexpr int kClusterGnStages = 8;  // bulk copies a block, each its own mbarri
 struct ClusterGnArgs {
   int64_t rows = 0;        // A, a sample's rows
   int c = 0, group_size = 1;
-  int rows_per_block = 0;  // ceil(A / parts)
+  int clusters_per_sample = 1;
+  int rows_per_block = 0;  // ceil(A / (parts * clusters_per_sample))
   int stage_rows = 0;      // rows a bulk copy
   double epsilon = 0;
   Activation act = Activation::kNone;
@@ -71,6 +78,36 @@ __device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint3
   return v;
 }
 
+// Where the clusters of a sample meet (clusters_per_sample > 1): each
+// cluster's group sums (N, clusters_per_sample, G) and the clusters of each
+// sample that have published theirs (N), zero before the launch.
+struct ClusterGnExchange {
+  float2* sums = nullptr;
+  unsigned* arrived = nullptr;
+};
+
+// Waits until `expected` clusters have counted themselves in at `arrived`,
+// counting this block's cluster in first where `arrive`; what they wrote
+// before is then visible to the whole block (the fences of a grid barrier).
+__device__ __forceinline__ void arrive_and_wait(unsigned* arrived, unsigned expected,
+                                                bool arrive) {
+  __syncthreads();  // the block's writes of its cluster's sums
+  if (threadIdx.x == 0) {
+    if (arrive) {
+      __threadfence();
+      atomicAdd(arrived, 1u);
+    }
+    unsigned seen = 0;
+    do {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+#endif
+    } while (seen < expected);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 // Sums of the block's float2s over group k's `per` entries in each of the
 // `sets` rows of `width` entries, in a fixed order: a warp a group where a
 // group has many of them, else a thread a group.
@@ -109,8 +146,8 @@ __device__ __forceinline__ void sum_groups(const float2* partial, int sets, int 
 // rows: the same channels, hence the same terms, throughout.
 template <typename X, typename Y, typename W, int V>
 __global__ void __launch_bounds__(kClusterGnThreads, 1)
-    group_norm_cluster_fwd(const X* x, ChannelParams<W> p, ClusterGnArgs g, float* mean_out,
-                           float* var_out, Y* y) {
+    group_norm_cluster_fwd(const X* x, ChannelParams<W> p, ClusterGnArgs g,
+                           ClusterGnExchange ex, float* mean_out, float* var_out, Y* y) {
   static_assert(sizeof(acc_t<X>) == 4 && V * sizeof(X) == 16);
   using A = float;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
@@ -125,7 +162,10 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   auto* shift = reinterpret_cast<float*>(dyn + at.shift);
 
   const uint32_t parts = cluster_blocks(), rank = cluster_rank();
-  const int64_t n = blockIdx.x / parts, first_row = int64_t(rank) * g.rows_per_block;
+  const uint32_t cluster = blockIdx.x / parts, m = uint32_t(g.clusters_per_sample);
+  const int64_t n = cluster / m;
+  const int sub = int(cluster % m);  // the sample's cluster
+  const int64_t first_row = (int64_t(sub) * parts + rank) * g.rows_per_block;
   const int64_t left = g.rows - first_row;
   const int rows = left <= 0 ? 0 : left < g.rows_per_block ? int(left) : g.rows_per_block;
   const X* sample = x + n * g.rows * g.c;
@@ -188,24 +228,54 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   sum_groups(partial, sets, g.c / per_lane, g.group_size / per_lane, groups, block_sums);
   cluster_arrive_release();
   cluster_wait();
-  // Every block adds the cluster's sums in rank order: the same bits in each.
+  // Every block adds the cluster's sums in rank order, then the sample's
+  // clusters' in cluster order: the same bits in each.
   const A count = A(g.rows) * A(g.group_size);
+  auto finish = [&](int k, float2 t) {
+    const A d = t.x / count, var = fmaxf(t.y / count - d * d, A(0));
+    stats[k] = make_float2(shift[k] + d, rsqrtf(var + A(g.epsilon)));
+    if (rank == 0 && sub == 0) {
+      mean_out[n * groups + k] = shift[k] + d, var_out[n * groups + k] = var;
+    }
+  };
   for (int k = tid; k < groups; k += kClusterGnThreads) {
     float2 q[kMaxWideClusterParts];
 #pragma unroll
     for (int r = 0; r < kMaxWideClusterParts; ++r) {
       if (r < int(parts)) q[r] = load_cluster_float2(&block_sums[k], uint32_t(r));
     }
-    A t1 = 0, t2 = 0;
+    float2 t = make_float2(0.0f, 0.0f);
 #pragma unroll
     for (int r = 0; r < kMaxWideClusterParts; ++r) {
-      if (r < int(parts)) t1 += q[r].x, t2 += q[r].y;
+      if (r < int(parts)) t.x += q[r].x, t.y += q[r].y;
     }
-    const A d = t1 / count, var = fmaxf(t2 / count - d * d, A(0));
-    stats[k] = make_float2(shift[k] + d, rsqrtf(var + A(g.epsilon)));
-    if (rank == 0) mean_out[n * groups + k] = shift[k] + d, var_out[n * groups + k] = var;
+    if (m == 1) {
+      finish(k, t);
+    } else if (rank == 0) {
+      ex.sums[(n * m + sub) * groups + k] = t;
+    }
   }
   cluster_arrive_relaxed();  // this block's reads of the others' sums are done
+  if (m > 1) {
+    arrive_and_wait(ex.arrived + n, unsigned(m), rank == 0);
+    // A thread a group, its clusters' sums loaded 8 at a time, added in
+    // cluster order (a warp a group, a lane a cluster, took a trip more to
+    // L2 for its second group: +0.6-1.3 us, notes v86).
+    const float2* sample_sums = ex.sums + n * m * groups;
+    for (int k = tid; k < groups; k += kClusterGnThreads) {
+      float2 t = make_float2(0.0f, 0.0f);
+      for (int j0 = 0; j0 < int(m); j0 += 8) {
+        float2 q[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          q[u] = j0 + u < int(m) ? __ldcg(sample_sums + (j0 + u) * groups + k) : make_float2(0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) t.x += q[u].x, t.y += q[u].y;
+      }
+      finish(k, t);
+    }
+  }
   __syncthreads();
   if (active) {
 #pragma unroll
@@ -227,13 +297,51 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   cluster_wait();  // no block leaves while another may read its sums
 }
 
-// How group_norm_cluster_fwd runs x (n, a, c): `parts` blocks a sample, 0
-// where it does not serve it.
+// How group_norm_cluster_fwd runs x (n, a, c): `parts` blocks a cluster
+// and args.clusters_per_sample clusters a sample, parts 0 where it does not
+// serve it.
 struct ClusterGnPlan {
   int parts = 0;
   ClusterGnArgs args;
   size_t smem = 0;
+  int64_t blocks(int64_t n) const { return n * args.clusters_per_sample * parts; }
+  // The exchange's float2 sums, then its counters (ClusterGnExchange).
+  size_t exchange_bytes(int64_t n) const {
+    if (args.clusters_per_sample == 1) return 0;
+    const int groups = args.c / args.group_size;
+    return size_t(n) * (size_t(args.clusters_per_sample) * groups * sizeof(float2) + 4);
+  }
 };
+
+// The plan of `parts` blocks a cluster and `clusters` clusters a sample, if
+// its rows fit the blocks' shared memory and all its clusters run at once.
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_size, int parts,
+                               int clusters, const DeviceInfo& dev) {
+  ClusterGnPlan plan;
+  const int64_t blocks = int64_t(parts) * clusters;
+  const int64_t rows = (a + blocks - 1) / blocks;
+  if (!dev.clusters || n < 1 || c / V > kClusterGnThreads ||
+      rows * c * int64_t(sizeof(X)) > int64_t(dev.max_dynamic_smem)) {
+    return plan;
+  }
+  const ClusterGnSmem s =
+      ClusterGnSmem::of(kClusterGnThreads, int(rows), int(c), V, int(group_size), sizeof(X));
+  if (s.total > dev.max_dynamic_smem) return plan;
+  auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
+  if (n * clusters > resident_clusters(kernel, kClusterGnThreads, s.total, parts, dev)) {
+    return plan;
+  }
+  plan.parts = parts;
+  plan.smem = s.total;
+  plan.args.rows = a;
+  plan.args.c = int(c);
+  plan.args.group_size = int(group_size);
+  plan.args.clusters_per_sample = clusters;
+  plan.args.rows_per_block = int(rows);
+  plan.args.stage_rows = int((rows + kClusterGnStages - 1) / kClusterGnStages);
+  return plan;
+}
 
 // The share of the SMs below which the passes stay faster.
 constexpr double kClusterGnMinBusy = 0.45;
@@ -246,37 +354,74 @@ constexpr double kClusterGnMinBusy = 0.45;
 // of 16 blocks (benchmarks/NOTES.md, v80). Of the cluster sizes that do,
 // the largest, whose blocks take the fewest rows.
 template <typename X, typename Y, typename W, int V>
-ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
-                              const DeviceInfo& dev) {
-  ClusterGnPlan plan;
-  if (!dev.clusters || n < 1 || a < 1 || c / V > kClusterGnThreads) return plan;
+ClusterGnPlan plan_one_cluster_a_sample(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                                        const DeviceInfo& dev) {
   for (int parts = kMaxWideClusterParts; parts >= 1; --parts) {
-    const int64_t rows = (a + parts - 1) / parts;
-    if (rows * c * int64_t(sizeof(X)) > int64_t(dev.max_dynamic_smem)) break;
-    const ClusterGnSmem s =
-        ClusterGnSmem::of(kClusterGnThreads, int(rows), int(c), V, int(group_size), sizeof(X));
-    if (s.total > dev.max_dynamic_smem) break;
     if (double(n * parts) < kClusterGnMinBusy * dev.sms) break;
-    auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
-    if (n > resident_clusters(kernel, kClusterGnThreads, s.total, parts, dev)) continue;
-    plan.parts = parts;
-    plan.smem = s.total;
-    plan.args.rows = a;
-    plan.args.c = int(c);
-    plan.args.group_size = int(group_size);
-    plan.args.rows_per_block = int(rows);
-    plan.args.stage_rows = int((rows + kClusterGnStages - 1) / kClusterGnStages);
-    return plan;
+    const ClusterGnPlan plan = cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, 1, dev);
+    if (plan.parts > 0) return plan;
   }
-  return plan;
+  return {};
 }
 
+// Clusters a sample beyond which their meeting costs more than smaller
+// blocks save (an H200: one sample in 64 clusters of 2 took 12.4 us, in 4
+// of 16 10.8, notes v86).
+constexpr int kMaxClustersASample = 16;
+
+// Where one cluster a sample does not serve a batch of 2 or more, several
+// clusters a sample ran 1.00-1.28x as fast as the passes on an H200
+// (1.14-1.24x with 8-16 samples of 1.3-2.6 MB), the more blocks the faster,
+// up to kMaxClustersASample: of clusters of 16, 8, 4 or 2 blocks, each with
+// the most clusters a sample that run at once, the one with the most blocks
+// (v86). One sample (0.88-1.10x) stays with the passes.
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                              const DeviceInfo& dev) {
+  ClusterGnPlan best = plan_one_cluster_a_sample<X, Y, W, V>(n, a, c, group_size, dev);
+  if (best.parts > 0 || n < 2) return best;
+  for (int parts : {16, 8, 4, 2}) {
+    for (int m = kMaxClustersASample; m >= 2; --m) {
+      if (n * m * parts > dev.sms) continue;
+      const ClusterGnPlan plan = cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, m, dev);
+      if (plan.parts == 0) continue;
+      if (plan.blocks(n) > best.blocks(n)) best = plan;
+      break;
+    }
+  }
+  if (double(best.blocks(n)) < kClusterGnMinBusy * dev.sms) return {};
+  return best;
+}
+
+// Runs `plan` (x: n samples); `exchange` holds plan.exchange_bytes(n), which
+// it zeroes first. Several clusters a sample wait for each other, so their
+// launch is cooperative: the runtime refuses it rather than run them in turns.
 template <typename X, typename Y, typename W, int V>
 cudaError_t launch_cluster_gn(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
-                              const X* x, ChannelParams<W> p, float* mean, float* var, Y* y) {
+                              const X* x, ChannelParams<W> p, void* exchange, float* mean,
+                              float* var, Y* y) {
   auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
-  return launch_clusters(kernel, unsigned(n * plan.parts), kClusterGnThreads, plan.smem,
-                         plan.parts, stream, x, p, plan.args, mean, var, y);
+  const int m = plan.args.clusters_per_sample;
+  ClusterGnExchange ex;
+  if (m > 1) {
+    ex.sums = static_cast<float2*>(exchange);
+    const int groups = plan.args.c / plan.args.group_size;
+    ex.arrived = reinterpret_cast<unsigned*>(ex.sums + n * m * groups);
+    if (cudaMemsetAsync(ex.arrived, 0, size_t(n) * sizeof(unsigned), stream) != cudaSuccess) {
+      return cudaGetLastError();
+    }
+  }
+  cudaLaunchAttribute attrs[2];
+  cudaLaunchConfig_t config = cluster_config(unsigned(plan.blocks(n)), kClusterGnThreads,
+                                             plan.smem, plan.parts, stream, attrs[0]);
+  if (m > 1) {
+    attrs[1].id = cudaLaunchAttributeCooperative;
+    attrs[1].val.cooperative = 1;
+    config.numAttrs = 2;
+  }
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, x, p, plan.args, ex, mean, var, y);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
 }
 
 }  // namespace jaxnorm::cuda
