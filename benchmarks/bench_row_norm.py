@@ -396,11 +396,19 @@ def main():
                     help="keep the records of cases not measured now from DIR's JSON")
     ap.add_argument("--standing", metavar="JSON",
                     help="print the standing against the bars of an earlier run; measure nothing")
+    ap.add_argument("--render", metavar="JSON",
+                    help="write the table and chart of an earlier run's JSON into --out; "
+                         "measure nothing")
     args = ap.parse_args()
     if args.standing:
         with open(args.standing) as f:
             earlier = json.load(f)
         print("\n".join(standing(earlier["records"], earlier["meta"]["copy_gbps"])))
+        return
+    if args.render:
+        with open(args.render) as f:
+            earlier = json.load(f)
+        render(args.out, earlier["meta"], earlier["records"], jnp.dtype(args.dtype))
         return
     dtype = jnp.dtype(args.dtype)
     shapes = None
@@ -439,19 +447,24 @@ def main():
             date=meta["date"], copy_gbps=meta["copy_gbps"], ops=ops,
             shapes=[list(s) for s in shapes] if shapes else "all")]
         meta.update(date=base["date"], copy_gbps=base["copy_gbps"])
-        copy = base["copy_gbps"]
+    render(args.out, meta, records, dtype)
+
+
+def render(out: str, meta: dict, records: list, dtype) -> None:
+    """Writes the records' table (markdown), JSON and chart into `out`."""
+    device, copy = meta["device"], meta["copy_gbps"]
     title = (f"{device}, {dtype.name}, {meta['date']}: bandwidth = fewest bytes / device "
              f"kernel time")
     lines = [
-        f"Device: {device}; date {meta['date']}; jax {jax.__version__}; torch "
+        f"Device: {device}; date {meta['date']}; jax {meta['jax']}; torch "
         f"{meta['torch']}; measured copy bandwidth {copy:.0f} GB/s; dtype {dtype.name}; "
         "device kernel time (µs); vs X: X's time over jaxnorm's (above 1: jaxnorm faster).",
         *[f"Re-measured later ({u['date']}, copy {u['copy_gbps']:.0f} GB/s): ops "
           f"{', '.join(u['ops'])} at shapes {u['shapes']}." for u in meta.get("updated", [])],
         "", meta["bytes"], "", *table(records, copy), "", *standing(records, copy),
     ]
-    write_results(args.out, "row_norm", device, meta, records, "\n".join(lines))
-    chart(records, copy, title, stem + ".png")
+    write_results(out, "row_norm", device, meta, records, "\n".join(lines))
+    chart(records, copy, title, results_stem(out, "row_norm", device) + ".png")
 
 
 def _shape(shape):

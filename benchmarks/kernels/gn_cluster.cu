@@ -16,6 +16,20 @@
 #include <string>
 #include <vector>
 
+// STAMPS=1 (with ONLY): each block's thread 0 stamps the global timer at
+// the kernel's phases (JAXNORM_GN_CLUSTER_STAMP in channel_norm_cluster.cuh)
+// in one more launch, printed as quantiles over the blocks.
+constexpr int kStamps = 7;
+__device__ unsigned long long g_stamps[4096 * kStamps];
+#define JAXNORM_GN_CLUSTER_STAMP(i)                                               \
+  if (threadIdx.x == 0) {                                                         \
+    unsigned long long t;                                                         \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                        \
+    if (blockIdx.x < 4096) g_stamps[blockIdx.x * kStamps + (i)] = t;              \
+  }
+
+#include <algorithm>
+
 #include "cuda/channel_norm_cluster.cuh"
 #include "graph_timing.h"
 
@@ -28,6 +42,27 @@ struct Case {
   int64_t rows, c;
   std::vector<int64_t> batches;
 };
+
+// One more launch, its blocks' stamps as microseconds from the first block's
+// start: min, median and max over the blocks for each phase.
+template <typename F>
+void print_stamps(cudaStream_t s, unsigned blocks, F launch) {
+  launch();
+  CHECK(cudaStreamSynchronize(s));
+  std::vector<unsigned long long> t(size_t(blocks) * kStamps);
+  CHECK(cudaMemcpyFromSymbol(t.data(), g_stamps, t.size() * sizeof(t[0])));
+  unsigned long long t0 = ~0ull;
+  for (unsigned b = 0; b < blocks; ++b) t0 = std::min(t0, t[b * kStamps]);
+  const char* names[kStamps] = {"start", "shifts", "loaded+summed", "cluster sums",
+                                "statistics", "stores issued", "end"};
+  for (int i = 0; i < kStamps; ++i) {
+    std::vector<double> v(blocks);
+    for (unsigned b = 0; b < blocks; ++b) v[b] = 1e-3 * double(t[b * kStamps + i] - t0);
+    std::sort(v.begin(), v.end());
+    std::printf("#   %-14s us: min %6.2f  median %6.2f  max %6.2f\n", names[i], v[0],
+                v[blocks / 2], v[blocks - 1]);
+  }
+}
 
 int main() {
   const std::vector<Case> cases = {{"32x32x1280", 32 * 32, 1280, {1, 2, 3, 4, 6, 8}},
@@ -122,7 +157,8 @@ int main() {
                   k.sample, (long long)n, "-", "-", "-", copy, t_passes, "-", "-",
                   pct(t_passes), planned.parts, planned.args.clusters_per_sample);
       void* exchange = nullptr;
-      CHECK(cudaMalloc(&exchange, size_t(n) * dev.sms * (k.c * sizeof(float2) + 4)));
+      CHECK(cudaMalloc(&exchange, size_t(n) * dev.sms * k.c * sizeof(float2)));
+      unsigned* counters = meeting_counters(dev, s);
       for (ClusterGnPlan plan : shapes) {
         plan.args.epsilon = 1e-5;
         const int m = plan.args.clusters_per_sample;
@@ -130,15 +166,15 @@ int main() {
                                std::to_string(plan.parts) + ":" + std::to_string(m);
         if (only && id != only) continue;
         auto cluster = [&] {
-          CHECK((launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, exchange, mean2,
-                                                         var2, y2)));
+          CHECK((launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, exchange, counters,
+                                                         dev, mean2, var2, y2)));
         };
         RelativeError ey, em, ev;
         const int active = resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V>,
                                              kClusterGnThreads, plan.smem, plan.parts, dev);
         CHECK(cudaMemset(y2, 0, bytes));
         const cudaError_t err = launch_cluster_gn<bf16, bf16, float, V>(
-            s, plan, n, x, p, exchange, mean2, var2, y2);
+            s, plan, n, x, p, exchange, counters, dev, mean2, var2, y2);
         if (err != cudaSuccess) {
           std::printf("%-12s %4lld %5d %5d launch failed: %s\n", k.sample, (long long)n,
                       plan.parts, m, cudaGetErrorString(err));
@@ -153,6 +189,7 @@ int main() {
         for (int64_t i = 0; i < n * kGroups; ++i) em.add(mb[i], ma[i]), ev.add(vb[i], va[i]);
         const float t_cluster = time_us(s, cluster);
         const bool is_plan = plan.parts == planned.parts && m == planned.args.clusters_per_sample;
+        if (only && std::getenv("STAMPS")) print_stamps(s, unsigned(plan.blocks(n)), cluster);
         std::printf("%-12s %4lld %5d %5d %6d %6.1f %8.1f %8.1f %8.2f %5.0f%% %5.0f%% %9.1e "
                     "%9.1e %9.1e%s\n",
                     k.sample, (long long)n, plan.parts, m, active, copy, t_passes, t_cluster,

@@ -75,15 +75,19 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16 && std::is_same_v<Y, X>) {
     ClusterGnPlan plan;
     if (!given && write_y) plan = plan_cluster_gn<X, Y, W, V>(s.n, s.a, s.c, s.group_size, dev);
+    unsigned* counters = nullptr;
+    if (plan.args.clusters_per_sample > 1) {
+      counters = meeting_counters(dev, stream);
+      if (counters == nullptr) plan = {};  // the passes instead
+    }
     if (plan.parts > 0) {
       plan.args.epsilon = epsilon;
       plan.args.act = act;
-      float* exchange = nullptr;
-      JAXNORM_RETURN_IF_ERROR(
-          scratch_of(scratch, int64_t(plan.exchange_bytes(s.n) + 3) / 4, &exchange));
-      return cuda_error(
-          launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, exchange, mean, var, y),
-          "channel_norm_fwd (clusters)");
+      float* sums = nullptr;
+      JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, int64_t(plan.exchange_bytes(s.n)) / 4, &sums));
+      return cuda_error(launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, sums, counters,
+                                                      dev, mean, var, y),
+                        "channel_norm_fwd (clusters)");
     }
   }
   if (!given) {

@@ -20,12 +20,20 @@
 // batch spreads over every SM: their blocks must all be resident at once,
 // which the launch asks of the runtime (cooperative). Each cluster's rank 0
 // publishes its sums to global memory and counts itself in; every block waits
-// for its sample's count, then adds the clusters' sums in cluster order.
+// for its sample's count, then adds the clusters' sums in cluster order. The
+// counters are kept per stream and left at zero by each launch (a memset
+// before it cost 1.1-1.3 us a call, notes v86).
 #pragma once
 
 #include "cuda/channel_norm_kernels.cuh"
 
 namespace jaxnorm::cuda {
+
+// Phase stamps a harness may define (benchmarks/kernels/gn_cluster.cu); no
+// code otherwise.
+#ifndef JAXNORM_GN_CLUSTER_STAMP
+#define JAXNORM_GN_CLUSTER_STAMP(i)
+#endif
 
 constexpr int kClusterGnThreads = 512;
 constexpr int kClusterGnStages = 8;  // bulk copies a block, each its own mbarrier
@@ -79,33 +87,42 @@ __device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint3
 }
 
 // Where the clusters of a sample meet (clusters_per_sample > 1): each
-// cluster's group sums (N, clusters_per_sample, G) and the clusters of each
-// sample that have published theirs (N), zero before the launch.
+// cluster's group sums (N, clusters_per_sample, G), and per sample the
+// clusters that have published theirs and the blocks done waiting for them
+// (N each; zero at the launch, left at zero by it: meeting_counters).
 struct ClusterGnExchange {
   float2* sums = nullptr;
   unsigned* arrived = nullptr;
+  unsigned* departed = nullptr;
 };
 
 // Waits until `expected` clusters have counted themselves in at `arrived`,
-// counting this block's cluster in first where `arrive`; what they wrote
-// before is then visible to the whole block (the fences of a grid barrier).
+// counting this block's cluster in first where `arrive`: the block's earlier
+// writes, ordered by the barrier, go out with thread 0's release, and what
+// the others published is visible to the block after its acquire and the
+// barrier (a grid barrier's pattern, without its fences: notes v86).
 __device__ __forceinline__ void arrive_and_wait(unsigned* arrived, unsigned expected,
                                                 bool arrive) {
   __syncthreads();  // the block's writes of its cluster's sums
   if (threadIdx.x == 0) {
-    if (arrive) {
-      __threadfence();
-      atomicAdd(arrived, 1u);
-    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+    if (arrive) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
     unsigned seen = 0;
     do {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-#endif
     } while (seen < expected);
-    __threadfence();
+#endif
   }
   __syncthreads();
+}
+
+// A block counts itself out of its sample's meeting once it no longer reads
+// it (atomicAdd on `departed`, its answer awaited only after the block's
+// stores are issued); the last of the sample's blocks then leaves both
+// counters at zero for the next launch on the stream.
+__device__ __forceinline__ void reset_if_last(unsigned before, unsigned blocks,
+                                              unsigned* arrived, unsigned* departed) {
+  if (before == blocks - 1) *arrived = 0, *departed = 0;
 }
 
 // Sums of the block's float2s over group k's `per` entries in each of the
@@ -171,6 +188,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   const X* sample = x + n * g.rows * g.c;
   const int tid = int(threadIdx.x), lane = tid % lanes, set = tid / lanes;
   const bool active = set < sets;
+  JAXNORM_GN_CLUSTER_STAMP(0);
   if (tid == 0) {
     for (int s = 0; s < kClusterGnStages; ++s) mbar_init(&bars[s], 1);
     fence_mbar_init();
@@ -193,6 +211,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     b[e] = active ? p.template b<A>(lane * V + e) : A(0);
   }
   __syncthreads();  // the mbarriers' initialization and the shifts
+  JAXNORM_GN_CLUSTER_STAMP(1);
 
   A sh[V], s1[V], s2[V];
   if (active) {
@@ -224,10 +243,12 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     }
   }
   __syncthreads();
+  JAXNORM_GN_CLUSTER_STAMP(2);
   const int per_lane = sums_a_lane(g.group_size, V);
   sum_groups(partial, sets, g.c / per_lane, g.group_size / per_lane, groups, block_sums);
   cluster_arrive_release();
   cluster_wait();
+  JAXNORM_GN_CLUSTER_STAMP(3);
   // Every block adds the cluster's sums in rank order, then the sample's
   // clusters' in cluster order: the same bits in each.
   const A count = A(g.rows) * A(g.group_size);
@@ -277,6 +298,9 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     }
   }
   __syncthreads();
+  JAXNORM_GN_CLUSTER_STAMP(4);
+  const bool leaves = m > 1 && tid == 0;
+  const unsigned before = leaves ? atomicAdd(ex.departed + n, 1u) : 0u;
   if (active) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -294,7 +318,10 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       store_vec<V>(out + size_t(r) * g.c, o);
     }
   }
+  JAXNORM_GN_CLUSTER_STAMP(5);
+  if (leaves) reset_if_last(before, m * parts, ex.arrived + n, ex.departed + n);
   cluster_wait();  // no block leaves while another may read its sums
+  JAXNORM_GN_CLUSTER_STAMP(6);
 }
 
 // How group_norm_cluster_fwd runs x (n, a, c): `parts` blocks a cluster
@@ -305,11 +332,11 @@ struct ClusterGnPlan {
   ClusterGnArgs args;
   size_t smem = 0;
   int64_t blocks(int64_t n) const { return n * args.clusters_per_sample * parts; }
-  // The exchange's float2 sums, then its counters (ClusterGnExchange).
+  // The clusters' sums of ClusterGnExchange.
   size_t exchange_bytes(int64_t n) const {
     if (args.clusters_per_sample == 1) return 0;
     const int groups = args.c / args.group_size;
-    return size_t(n) * (size_t(args.clusters_per_sample) * groups * sizeof(float2) + 4);
+    return size_t(n) * args.clusters_per_sample * groups * sizeof(float2);
   }
 };
 
@@ -370,8 +397,8 @@ ClusterGnPlan plan_one_cluster_a_sample(int64_t n, int64_t a, int64_t c, int64_t
 constexpr int kMaxClustersASample = 16;
 
 // Where one cluster a sample does not serve a batch of 2 or more, several
-// clusters a sample ran 1.00-1.28x as fast as the passes on an H200
-// (1.14-1.24x with 8-16 samples of 1.3-2.6 MB), the more blocks the faster,
+// clusters a sample ran 1.16-1.55x as fast as the passes on an H200
+// (1.25-1.36x with 8-16 samples of 1.3-2.6 MB), the more blocks the faster,
 // up to kMaxClustersASample: of clusters of 16, 8, 4 or 2 blocks, each with
 // the most clusters a sample that run at once, the one with the most blocks
 // (v86). One sample (0.88-1.10x) stays with the passes.
@@ -393,24 +420,44 @@ ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_siz
   return best;
 }
 
-// Runs `plan` (x: n samples); `exchange` holds plan.exchange_bytes(n), which
-// it zeroes first. Several clusters a sample wait for each other, so their
-// launch is cooperative: the runtime refuses it rather than run them in turns.
+// ClusterGnExchange's counters for launches on `stream`, arrived then
+// departed, dev.sms of each (a sample spread takes 4 SMs or more), zero, or
+// null where they cannot be allocated. Each launch leaves them at zero, and a
+// stream runs one launch at a time, so they are allocated once per device
+// and stream; their zeroing is ordered on the stream.
+inline unsigned* meeting_counters(const DeviceInfo& dev, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, unsigned*> known;
+  std::lock_guard<std::mutex> lock(mu);
+  unsigned*& counters = known[{dev.device, stream}];
+  if (counters != nullptr) return counters;
+  int current = 0;
+  void* p = nullptr;
+  const size_t bytes = 2 * size_t(dev.sms) * sizeof(unsigned);
+  if (cudaGetDevice(&current) == cudaSuccess && cudaSetDevice(dev.device) == cudaSuccess &&
+      cudaMalloc(&p, bytes) == cudaSuccess &&
+      cudaMemsetAsync(p, 0, bytes, stream) == cudaSuccess) {
+    counters = static_cast<unsigned*>(p);
+  } else if (p != nullptr) {
+    cudaFree(p);
+  }
+  cudaGetLastError();
+  cudaSetDevice(current);
+  return counters;
+}
+
+// Runs `plan` (x: n samples); `sums` holds plan.exchange_bytes(n) and
+// `counters` are meeting_counters' where the plan spreads a sample. Several
+// clusters a sample wait for each other, so their launch is cooperative: the
+// runtime refuses it rather than run them in turns.
 template <typename X, typename Y, typename W, int V>
 cudaError_t launch_cluster_gn(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
-                              const X* x, ChannelParams<W> p, void* exchange, float* mean,
-                              float* var, Y* y) {
+                              const X* x, ChannelParams<W> p, void* sums, unsigned* counters,
+                              const DeviceInfo& dev, float* mean, float* var, Y* y) {
   auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
   const int m = plan.args.clusters_per_sample;
   ClusterGnExchange ex;
-  if (m > 1) {
-    ex.sums = static_cast<float2*>(exchange);
-    const int groups = plan.args.c / plan.args.group_size;
-    ex.arrived = reinterpret_cast<unsigned*>(ex.sums + n * m * groups);
-    if (cudaMemsetAsync(ex.arrived, 0, size_t(n) * sizeof(unsigned), stream) != cudaSuccess) {
-      return cudaGetLastError();
-    }
-  }
+  if (m > 1) ex = {static_cast<float2*>(sums), counters, counters + dev.sms};
   cudaLaunchAttribute attrs[2];
   cudaLaunchConfig_t config = cluster_config(unsigned(plan.blocks(n)), kClusterGnThreads,
                                              plan.smem, plan.parts, stream, attrs[0]);
