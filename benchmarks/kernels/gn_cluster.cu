@@ -5,12 +5,13 @@
 // (blocks a cluster, clusters that run at once), both forwards' time
 // (CUDA graphs and events, as channel_probe.cu), and the cluster forward's y
 // and statistics against the passes'. Each batch runs in every shape that
-// fits: 16, 8, 4, 2 or 1 blocks a cluster, one cluster a sample and the most
-// clusters a sample that run at once; "plan" marks plan_cluster_gn's (none:
-// the handler keeps the passes). Its rule was drawn from this table (notes
+// fits with 16, 8, 4 or 2 blocks a cluster: one cluster a sample, and the
+// fewest and the most clusters a sample that hold it and run at once; "plan"
+// marks plan_cluster_gn's (none: the handler keeps the passes). Its rule was drawn from this table (notes
 // v80, v86).
 //
 // Build as channel_probe.cu (benchmarks/prebuild.sh).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -27,8 +28,6 @@ __device__ unsigned long long g_stamps[4096 * kStamps];
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                        \
     if (blockIdx.x < 4096) g_stamps[blockIdx.x * kStamps + (i)] = t;              \
   }
-
-#include <algorithm>
 
 #include "cuda/channel_norm_cluster.cuh"
 #include "graph_timing.h"
@@ -70,7 +69,7 @@ int main() {
                                    {"64x64x320", 64 * 64, 320, {2, 4, 8}},
                                    {"32x32x640", 32 * 32, 640, {4, 8, 16}},
                                    {"16x16x1280", 16 * 16, 1280, {8, 16}}};
-  // ONLY=sample:n:parts:m runs that case alone (for Nsight Compute).
+  // ONLY=sample:n:parts:m runs that shape alone (for STAMPS, or Nsight Compute).
   const char* only = std::getenv("ONLY");
   constexpr int V = 8, kGroups = 32;
   const DeviceInfo& dev = device_info(0);
