@@ -304,8 +304,9 @@ def _local_stats(run, x4, scale, bias, axes, group_size):
 def _fwd_local(x, scale, bias, mean, var, *, axes, kernel, lead_ndim, axis, group_size,
                xla_elementwise=False, **params):
     """The forward on one device's block: one launch for the statistics and
-    y, which on H100/H200 reads each sample once where it fits a cluster of
-    blocks (cpp/cuda/channel_norm_cluster.cuh). With the reduced dims split,
+    y, which on H100/H200 reads x once where it fits the SMs' shared memory,
+    and the part that does not fit twice (cpp/cuda/channel_norm_cluster.cuh).
+    With the reduced dims split,
     a first launch computes the statistics, one all-gather merges the
     blocks', and a second normalizes with them. With `xla_elementwise` y is
     jax.numpy, which XLA fuses with what surrounds it (BatchNorm's ReLU and

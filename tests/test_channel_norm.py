@@ -162,6 +162,10 @@ def test_group_norm_large_mean_is_stable():
     ((2, 64, 64, 320), 32, jnp.float16, "silu", 0.5),
     ((2, 33, 31, 640), 20, jnp.bfloat16, None, 0.5),    # rows not a multiple of the blocks
     ((3, 128, 128, 128), 32, jnp.float32, None, 1e3),   # a large mean
+    # one sample spread over the SMs
+    ((1, 32, 32, 1280), 32, jnp.bfloat16, None, 0.5),
+    ((1, 37, 29, 256), 256, jnp.float16, "silu", 0.5),  # one channel a group
+    ((1, 64, 64, 640), 20, jnp.float32, None, 1e3),     # a large mean
 ], ids=str)
 def test_group_norm_samples_in_clusters(shape, groups, dtype, act, offset):
     """Batches whose samples the CUDA forward takes in one cluster of blocks
@@ -192,6 +196,26 @@ def test_group_norm_samples_in_clusters(shape, groups, dtype, act, offset):
             np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4, atol=1e-4 * s)
 
 
+_H100_OR_H200 = pytest.mark.skipif(
+    not any(k in jax.devices()[0].device_kind for k in ("H100", "H200")),
+    reason="the cluster plan's rule is drawn from an H200 (notes v80, v87)")
+
+
+@_H100_OR_H200
+@pytest.mark.parametrize("shape,groups,dtype,act,offset", [
+    ((16, 64, 64, 320), 32, jnp.bfloat16, None, 0.5),
+    ((32, 32, 32, 640), 32, jnp.float16, "silu", 0.5),
+    ((64, 31, 33, 320), 20, jnp.bfloat16, "relu", 0.5),  # uneven rows
+    ((16, 48, 50, 320), 32, jnp.float32, None, 1e3),     # a large mean
+    ((1, 512, 512, 64), 32, jnp.bfloat16, None, 0.5),    # one sample, 15 clusters
+    ((2, 256, 256, 128), 32, jnp.float32, None, 1e3),
+], ids=str)
+def test_group_norm_streamed_rows(shape, groups, dtype, act, offset):
+    """Batches larger than the SMs' shared memory: the cluster forward holds
+    part of each block's rows and streams the rest (read again for y)."""
+    test_group_norm_samples_in_clusters(shape, groups, dtype, act, offset)
+
+
 def _gpu_kernel_names(f, *args, logdir):
     """Names of the kernels one call of f launches on the GPU (a profiler trace)."""
     jax.block_until_ready(f(*args))
@@ -204,24 +228,25 @@ def _gpu_kernel_names(f, *args, logdir):
             for line in plane.lines for event in line.events}
 
 
-@pytest.mark.skipif(not any(k in jax.devices()[0].device_kind for k in ("H100", "H200")),
-                    reason="the cluster plan's rule is drawn from an H200 (notes v80)")
+@_H100_OR_H200
 def test_batches_that_fit_take_the_cluster_forward(tmp_path):
     """Batches of test_group_norm_samples_in_clusters run as one launch of
-    the cluster kernel (one cluster a sample at 4, several at 2 and 8); one
-    sample (too few SMs) keeps the passes."""
-    def names(shape, sub):
+    the cluster kernel (one cluster a sample at 4, several at 1, 2 and 8),
+    as do those that stream part of their rows (16x64x64x320, 1x512x512x64);
+    one sample of 1024 groups keeps the passes."""
+    def names(shape, groups, sub):
         x = rand(66, shape, jnp.bfloat16)
-        return _gpu_kernel_names(jax.jit(lambda x: jaxnorm.group_norm(x, 32)), x,
+        return _gpu_kernel_names(jax.jit(lambda x: jaxnorm.group_norm(x, groups)), x,
                                  logdir=tmp_path / sub)
 
-    for n in (2, 4, 8):
-        got = names((n, 32, 32, 1280), str(n))
+    shapes = [(n, 32, 32, 1280) for n in (1, 2, 4, 8)] + [(16, 64, 64, 320), (1, 512, 512, 64)]
+    for i, shape in enumerate(shapes):
+        got = names(shape, 32, str(i))
         assert any("group_norm_cluster_fwd" in k for k in got), got
         assert not any("tile_stats" in k for k in got), got
-    one = names((1, 32, 32, 1280), "one")
-    assert any("tile_stats" in k for k in one), one
-    assert not any("group_norm_cluster_fwd" in k for k in one), one
+    got = names((1, 16, 16, 1024), 1024, "instance")
+    assert any("tile_stats" in k for k in got), got
+    assert not any("group_norm_cluster_fwd" in k for k in got), got
 
 
 def test_nan_stays_in_its_group():

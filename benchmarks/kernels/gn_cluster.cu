@@ -1,14 +1,17 @@
 // GroupNorm's forward in clusters (cpp/cuda/channel_norm_cluster.cuh) against
 // the passes (tile_stats, group_stats, apply_affine) as the CUDA handler
 // launches them: bf16 NHWC x with an offset (a large mean), float32 scale and
-// bias, 32 groups; for each sample shape and batch size the cluster plan
-// (blocks a cluster, clusters that run at once), both forwards' time
-// (CUDA graphs and events, as channel_probe.cu), and the cluster forward's y
-// and statistics against the passes'. Each batch runs in every shape that
-// fits with 16, 8, 4 or 2 blocks a cluster: one cluster a sample, and the
-// fewest and the most clusters a sample that hold it and run at once; "plan"
-// marks plan_cluster_gn's (none: the handler keeps the passes). Its rule was drawn from this table (notes
-// v80, v86).
+// bias, 32 groups (or, the "bn:" cases, BatchNorm's shapes as one sample of
+// N*H*W rows, a group a channel); for each sample shape and batch size the
+// cluster plan (blocks a cluster, clusters that run at once, the share of
+// each block's rows held in shared memory), both forwards' time (CUDA graphs
+// and events, as channel_probe.cu), and the cluster forward's y and
+// statistics against the passes'. Each batch runs in every shape that fits
+// with 16, 8, 4 or 2 blocks a cluster: one cluster a sample, and the fewest
+// and the most clusters a sample that hold it and run at once; a batch that
+// does not fit, in the plan of the most blocks that streams part of its rows.
+// "plan" marks plan_cluster_gn's (none: the handler keeps the passes). Its
+// rule was drawn from this table (notes v80, v86, v87).
 //
 // Build as channel_probe.cu (benchmarks/prebuild.sh).
 #include <algorithm>
@@ -40,6 +43,7 @@ struct Case {
   const char* sample;
   int64_t rows, c;
   std::vector<int64_t> batches;
+  int64_t groups = 32;  // c: BatchNorm's, x (N*H*W, C) as one sample
 };
 
 // One more launch, its blocks' stamps as microseconds from the first block's
@@ -66,20 +70,32 @@ void print_stamps(cudaStream_t s, unsigned blocks, F launch) {
 int main() {
   const std::vector<Case> cases = {{"32x32x1280", 32 * 32, 1280, {1, 2, 3, 4, 6, 8}},
                                    {"128x128x128", 128 * 128, 128, {2, 3, 4}},
-                                   {"64x64x320", 64 * 64, 320, {2, 4, 8}},
-                                   {"32x32x640", 32 * 32, 640, {4, 8, 16}},
-                                   {"16x16x1280", 16 * 16, 1280, {8, 16}}};
-  // ONLY=sample:n:parts:m runs that shape alone (for STAMPS, or Nsight Compute).
+                                   {"64x64x320", 64 * 64, 320, {2, 4, 8, 16}},
+                                   {"32x32x640", 32 * 32, 640, {4, 8, 16, 32, 64}},
+                                   {"16x16x1280", 16 * 16, 1280, {8, 16}},
+                                   {"512x512x64", 512 * 512, 64, {1}},
+                                   {"256x256x128", 256 * 256, 128, {1, 2}},
+                                   // BatchNorm: N*H*W rows, a group a channel
+                                   {"bn:256x56x56x64", 256 * 56 * 56, 64, {1}, 64},
+                                   {"bn:128x56x56x64", 128 * 56 * 56, 64, {1}, 64},
+                                   {"bn:128x28x28x256", 128 * 28 * 28, 256, {1}, 256},
+                                   {"bn:64x28x28x256", 64 * 28 * 28, 256, {1}, 256},
+                                   {"bn:32x28x28x256", 32 * 28 * 28, 256, {1}, 256},
+                                   {"bn:64x14x14x1024", 64 * 14 * 14, 1024, {1}, 1024},
+                                   {"bn:32x14x14x1024", 32 * 14 * 14, 1024, {1}, 1024},
+                                   {"bn:64x7x7x2048", 64 * 7 * 7, 2048, {1}, 2048}};
+  // ONLY=sample:n:parts:m[:held%] runs that shape alone (for STAMPS, or Nsight
+  // Compute); held% where the plan streams.
   const char* only = std::getenv("ONLY");
-  constexpr int V = 8, kGroups = 32;
+  constexpr int V = 8;
   const DeviceInfo& dev = device_info(0);
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
   std::printf("# %s, %d SMs, %s. µs a call (median of 7 graphs of 20 calls); %% of copy: "
               "x read and y written at the copy's rate\n",
               prop.name, dev.sms, utc_date().c_str());
-  std::printf("%-12s %4s %5s %5s %6s %6s %8s %8s %8s %6s %6s %9s %9s %9s\n", "sample", "n",
-              "parts", "m", "active", "copy", "passes", "cluster", "ratio", "p%", "c%",
+  std::printf("%-17s %4s %5s %5s %6s %6s %6s %8s %8s %8s %6s %6s %9s %9s %9s\n", "sample", "n",
+              "parts", "m", "held%", "active", "copy", "passes", "cluster", "ratio", "p%", "c%",
               "y-diff", "mean-diff", "var-diff");
   cudaStream_t s;
   CHECK(cudaStreamCreate(&s));
@@ -87,21 +103,22 @@ int main() {
               "of shared memory a block:");
   for (int parts = 1; parts <= kMaxWideClusterParts; ++parts) {
     std::printf(" %d: %d", parts,
-                resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V>,
+                resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V, false>,
                                   kClusterGnThreads, 190 << 10, parts, dev));
   }
   std::printf("\n");
   for (const Case& k : cases) {
     for (int64_t n : k.batches) {
-      const int64_t elems = n * k.rows * k.c, gs = k.c / kGroups;
+      const std::string prefix = std::string(k.sample) + ":" + std::to_string(n) + ":";
+      if (only && std::string(only).rfind(prefix, 0) != 0) continue;
+      const int64_t elems = n * k.rows * k.c, groups = k.groups, gs = k.c / groups;
       const size_t bytes = size_t(elems) * sizeof(bf16);
       bf16 *x, *y, *y2;
       float *partial, *chan, *mean, *var, *mean2, *var2, *scale, *bias;
       for (bf16** q : {&x, &y, &y2}) CHECK(cudaMalloc(q, bytes));
-      CHECK(cudaMalloc(&partial, size_t(dev.sms) * 8 * k.c * 3 * sizeof(float)));
       CHECK(cudaMalloc(&chan, n * k.c * 3 * sizeof(float)));
       for (float** q : {&mean, &var, &mean2, &var2}) {
-        CHECK(cudaMalloc(q, n * kGroups * sizeof(float)));
+        CHECK(cudaMalloc(q, n * groups * sizeof(float)));
       }
       for (float** q : {&scale, &bias}) CHECK(cudaMalloc(q, k.c * sizeof(float)));
       fill<<<dev.sms * 8, 256, 0, s>>>(x, elems, 7u, 3.0f);
@@ -115,6 +132,7 @@ int main() {
                                   tile_stats<bf16, V>);
       const Tiles ta = plan_tiles(n, k.rows, k.c, V, sizeof(bf16), 0, dev,
                                   apply_affine<bf16, bf16, float, V>);
+      CHECK(cudaMalloc(&partial, size_t(ts.blocks() / ts.slabs) * k.c * 3 * sizeof(float)));
       const GroupChunks chunks = plan_group_chunks(n, k.c, gs, dev);
       const size_t smem3 = merge_smem_bytes<float>(chunks, 3);
       auto passes = [&] {
@@ -132,7 +150,7 @@ int main() {
       CHECK(cudaGetLastError());
       const float t_passes = time_us(s, passes);
       const auto ya = to_host(y, elems, true);
-      const auto ma = to_host(mean, n * kGroups, false), va = to_host(var, n * kGroups, false);
+      const auto ma = to_host(mean, n * groups, false), va = to_host(var, n * groups, false);
       auto pct = [&](float us) { return us > 0 ? 100.0 * copy / us : 0.0; };
       const ClusterGnPlan planned = plan_cluster_gn<bf16, bf16, float, V>(n, k.rows, k.c, gs, dev);
       std::vector<ClusterGnPlan> shapes;
@@ -152,30 +170,40 @@ int main() {
           if (q.parts > 0 && !seen) shapes.push_back(q);
         }
       }
-      std::printf("%-12s %4lld %5s %5s %6s %6.1f %8.1f %8s %8s %5.0f%%  plan: parts %d m %d\n",
-                  k.sample, (long long)n, "-", "-", "-", copy, t_passes, "-", "-",
-                  pct(t_passes), planned.parts, planned.args.clusters_per_sample);
+      // x the shared memory does not hold: the most blocks, holding what fits.
+      const ClusterGnPlan streamed = most_blocks<bf16, bf16, float, V>(n, k.rows, k.c, gs, 1,
+                                                                       true, dev);
+      if (shapes.empty() && streamed.parts > 0) shapes.push_back(streamed);
+      std::printf("%-17s %4lld %5s %5s %6s %6s %6.1f %8.1f %8s %8s %5.0f%%  plan: parts %d m %d "
+                  "held %d of %d\n",
+                  k.sample, (long long)n, "-", "-", "-", "-", copy, t_passes, "-", "-",
+                  pct(t_passes), planned.parts, planned.args.clusters_per_sample,
+                  planned.args.held_rows, planned.args.rows_per_block);
       void* exchange = nullptr;
       CHECK(cudaMalloc(&exchange, size_t(n) * dev.sms * k.c * sizeof(float2)));
       unsigned* counters = meeting_counters(dev, s);
       for (ClusterGnPlan plan : shapes) {
         plan.args.epsilon = 1e-5;
         const int m = plan.args.clusters_per_sample;
+        const int held = int(100.0 * plan.args.held_rows / plan.args.rows_per_block + 0.5);
         const std::string id = std::string(k.sample) + ":" + std::to_string(n) + ":" +
-                               std::to_string(plan.parts) + ":" + std::to_string(m);
+                               std::to_string(plan.parts) + ":" + std::to_string(m) +
+                               (held < 100 ? ":" + std::to_string(held) : "");
         if (only && id != only) continue;
         auto cluster = [&] {
           CHECK((launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, exchange, counters,
                                                          dev, mean2, var2, y2)));
         };
         RelativeError ey, em, ev;
-        const int active = resident_clusters(group_norm_cluster_fwd<bf16, bf16, float, V>,
-                                             kClusterGnThreads, plan.smem, plan.parts, dev);
+        const int active = resident_clusters(
+            plan.streams() ? group_norm_cluster_fwd<bf16, bf16, float, V, true>
+                           : group_norm_cluster_fwd<bf16, bf16, float, V, false>,
+            kClusterGnThreads, plan.smem, plan.parts, dev);
         CHECK(cudaMemset(y2, 0, bytes));
         const cudaError_t err = launch_cluster_gn<bf16, bf16, float, V>(
             s, plan, n, x, p, exchange, counters, dev, mean2, var2, y2);
         if (err != cudaSuccess) {
-          std::printf("%-12s %4lld %5d %5d launch failed: %s\n", k.sample, (long long)n,
+          std::printf("%-17s %4lld %5d %5d launch failed: %s\n", k.sample, (long long)n,
                       plan.parts, m, cudaGetErrorString(err));
           continue;
         }
@@ -183,17 +211,19 @@ int main() {
         CHECK(cudaGetLastError());
         const auto yb = to_host(y2, elems, true);
         for (int64_t i = 0; i < elems; ++i) ey.add(yb[i], ya[i]);
-        const auto mb = to_host(mean2, n * kGroups, false);
-        const auto vb = to_host(var2, n * kGroups, false);
-        for (int64_t i = 0; i < n * kGroups; ++i) em.add(mb[i], ma[i]), ev.add(vb[i], va[i]);
+        const auto mb = to_host(mean2, n * groups, false);
+        const auto vb = to_host(var2, n * groups, false);
+        for (int64_t i = 0; i < n * groups; ++i) em.add(mb[i], ma[i]), ev.add(vb[i], va[i]);
         const float t_cluster = time_us(s, cluster);
-        const bool is_plan = plan.parts == planned.parts && m == planned.args.clusters_per_sample;
+        const bool is_plan = plan.parts == planned.parts &&
+                             m == planned.args.clusters_per_sample &&
+                             plan.args.held_rows == planned.args.held_rows;
         if (only && std::getenv("STAMPS")) print_stamps(s, unsigned(plan.blocks(n)), cluster);
-        std::printf("%-12s %4lld %5d %5d %6d %6.1f %8.1f %8.1f %8.2f %5.0f%% %5.0f%% %9.1e "
-                    "%9.1e %9.1e%s\n",
-                    k.sample, (long long)n, plan.parts, m, active, copy, t_passes, t_cluster,
+        std::printf("%-17s %4lld %5d %5d %6d %6d %6.1f %8.1f %8.1f %8.2f %5.0f%% %5.0f%% %9.1e "
+                    "%9.1e %9.1e%s  %s\n",
+                    k.sample, (long long)n, plan.parts, m, held, active, copy, t_passes, t_cluster,
                     t_passes / t_cluster, pct(t_passes), pct(t_cluster), ey.value(),
-                    em.value(), ev.value(), is_plan ? "  plan" : "");
+                    em.value(), ev.value(), is_plan ? "  plan" : "", id.c_str());
       }
       CHECK(cudaFree(exchange));
       for (bf16* q : {x, y, y2}) CHECK(cudaFree(q));

@@ -23,6 +23,12 @@
 // for its sample's count, then adds the clusters' sums in cluster order. The
 // counters are kept per stream and left at zero by each launch (a memset
 // before it cost 1.1-1.3 us a call, notes v86).
+//
+// Where the batch is more than the SMs' shared memory holds, each block holds
+// the first rows of its run and streams the rest (kStream): they pass through
+// its shared memory first, in a ring of bulk copies whose last lap is the held
+// rows, and are read again from global memory (L2, where they were kept) for
+// y (notes v87).
 #pragma once
 
 #include "cuda/channel_norm_kernels.cuh"
@@ -44,6 +50,7 @@ struct ClusterGnArgs {
   int c = 0, group_size = 1;
   int clusters_per_sample = 1;
   int rows_per_block = 0;  // ceil(A / (parts * clusters_per_sample))
+  int held_rows = 0;       // of them, the first in shared memory; the rest streamed
   int stage_rows = 0;      // rows a bulk copy
   double epsilon = 0;
   Activation act = Activation::kNone;
@@ -55,16 +62,16 @@ __host__ __device__ inline int sums_a_lane(int group_size, int vec) {
   return group_size % vec == 0 ? vec : 1;
 }
 
-// The dynamic shared memory of a launch: the block's rows of x, then the
+// The dynamic shared memory of a launch: the block's held rows of x, then the
 // threads' sums (a float2 a row set and lane or channel), the block's sums and
 // the statistics (a float2 a group each), and the shifts (a float a group).
 struct ClusterGnSmem {
   size_t slice = 0, partial = 0, block_sums = 0, stats = 0, shift = 0, total = 0;
-  __host__ __device__ static ClusterGnSmem of(int threads, int rows_per_block, int c, int vec,
+  __host__ __device__ static ClusterGnSmem of(int threads, int held_rows, int c, int vec,
                                               int group_size, size_t x_bytes) {
     ClusterGnSmem s;
     const int sets = threads / (c / vec), groups = c / group_size;
-    s.slice = size_t(rows_per_block) * c * x_bytes;  // a multiple of 16: c % vec == 0
+    s.slice = size_t(held_rows) * c * x_bytes;  // a multiple of 16: c % vec == 0
     s.partial = s.slice;
     s.block_sums = s.partial + size_t(sets) * (c / sums_a_lane(group_size, vec)) * sizeof(float2);
     s.stats = s.block_sums + size_t(groups) * sizeof(float2);
@@ -157,21 +164,72 @@ __device__ __forceinline__ void sum_groups(const float2* partial, int sets, int 
   }
 }
 
+// The order in which a block's rows pass through the kClusterGnStages stages
+// of its slice, in chunks of stage_rows: first the streamed rows [held, rows),
+// in laps of a chunk a stage (the last lap padded with empty chunks), then
+// the held rows [0, held), which stay, held row r at slice row r. The ring
+// keeps the whole slice's bytes in flight while the streamed rows pass;
+// loaded by the threads instead, into the L1 that the slice leaves, they came
+// at 1-2.4 TB/s (benchmarks/NOTES.md v87).
+struct RowChunks {
+  int held, rows, stage_rows, laps;
+  __device__ __forceinline__ RowChunks(int held_, int rows_, int stage_rows_)
+      : held(held_), rows(rows_), stage_rows(stage_rows_), laps(0) {
+    const int lap_rows = stage_rows * kClusterGnStages;
+    if (rows > held && lap_rows > 0) laps = (rows - held + lap_rows - 1) / lap_rows;
+  }
+  // Chunk j: rows [r0, r1), empty where r0 >= r1.
+  __device__ __forceinline__ void range(int j, int& r0, int& r1) const {
+    const int streamed = laps * kClusterGnStages;
+    const int end = j < streamed ? rows : held;
+    r0 = j < streamed ? held + j * stage_rows : (j - streamed) * stage_rows;
+    r1 = r0 + stage_rows < end ? r0 + stage_rows : end;
+  }
+};
+
+// A block's streamed rows [held, rows) of c elements from `block` (its row
+// 0), read again for y: f(r, v) for rows held + set, then every `sets`-th, v
+// a thread's vector (at `lane`) of row r, kStreamLoads rows' loads in flight.
+constexpr int kStreamLoads = 8;
+template <typename X, int V, typename F>
+__device__ __forceinline__ void for_streamed_rows(const X* block, int held, int rows, int sets,
+                                                  int c, int set, int lane, F&& f) {
+  const X* row0 = block + lane * V;
+  for (int a = held + set; a < rows; a += kStreamLoads * sets) {
+    RegVec<X, V> v[kStreamLoads];
+#pragma unroll
+    for (int u = 0; u < kStreamLoads; ++u) {
+      if (a + u * sets < rows) v[u].template load<true>(row0 + size_t(a + u * sets) * c);
+    }
+#pragma unroll
+    for (int u = 0; u < kStreamLoads; ++u) {
+      if (a + u * sets < rows) f(a + u * sets, v[u]);
+    }
+  }
+}
+
 // y = act(xhat scale + bias) and the statistics (mean_out, var_out: (N, G))
 // of x (N, A, C): a cluster of blocks a sample (grid N * parts). A thread
 // takes a vector of V channels (lane) in every `sets`-th row of its block's
 // rows: the same channels, hence the same terms, throughout.
-template <typename X, typename Y, typename W, int V>
+//
+// kStream: the plan streams part of the rows (held_rows < rows_per_block);
+// compiled apart, since the ring's code cost the kernel 3-9% where it holds
+// every row (notes v87).
+template <typename X, typename Y, typename W, int V, bool kStream>
 __global__ void __launch_bounds__(kClusterGnThreads, 1)
     group_norm_cluster_fwd(const X* x, ChannelParams<W> p, ClusterGnArgs g,
                            ClusterGnExchange ex, float* mean_out, float* var_out, Y* y) {
   static_assert(sizeof(acc_t<X>) == 4 && V * sizeof(X) == 16);
   using A = float;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
-  __shared__ uint64_t bars[kClusterGnStages];
+  // full[s]: stage s's bytes landed; empty[s] (kStream): every thread done
+  // reading it.
+  __shared__ uint64_t bars[(kStream ? 2 : 1) * kClusterGnStages];
+  uint64_t *full = bars, *empty = bars + kClusterGnStages;
   const int groups = g.c / g.group_size, lanes = g.c / V, sets = kClusterGnThreads / lanes;
   const ClusterGnSmem at =
-      ClusterGnSmem::of(kClusterGnThreads, g.rows_per_block, g.c, V, g.group_size, sizeof(X));
+      ClusterGnSmem::of(kClusterGnThreads, g.held_rows, g.c, V, g.group_size, sizeof(X));
   const X* slice = reinterpret_cast<const X*>(dyn);
   auto* partial = reinterpret_cast<float2*>(dyn + at.partial);
   auto* block_sums = reinterpret_cast<float2*>(dyn + at.block_sums);
@@ -185,19 +243,45 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   const int64_t first_row = (int64_t(sub) * parts + rank) * g.rows_per_block;
   const int64_t left = g.rows - first_row;
   const int rows = left <= 0 ? 0 : left < g.rows_per_block ? int(left) : g.rows_per_block;
+  const int held = rows < g.held_rows ? rows : g.held_rows;
   const X* sample = x + n * g.rows * g.c;
+  const X* block = sample + first_row * g.c;
   const int tid = int(threadIdx.x), lane = tid % lanes, set = tid / lanes;
   const bool active = set < sets;
+  const RowChunks chunks(held, rows, g.stage_rows);
+  // Thread 0: chunk j into its stage (an empty one completes the phase). The
+  // streamed rows stay in L2 for y, where they are read again; the held rows
+  // need not.
+  auto fill = [&](int j) {
+    const int s = j % kClusterGnStages;
+    int r0, r1;
+    chunks.range(j, r0, r1);
+    if (r0 >= r1) {
+      mbar_arrive(&full[s]);
+      return;
+    }
+    const uint32_t bytes = uint32_t(r1 - r0) * uint32_t(g.c) * sizeof(X);
+    mbar_expect(&full[s], bytes);
+    const bool streamed = j < chunks.laps * kClusterGnStages;
+    bulk_load(dyn + size_t(s) * g.stage_rows * g.c * sizeof(X), block + size_t(r0) * g.c, bytes,
+              &full[s], streamed ? l2_policy<true>() : l2_policy<false>());
+  };
   JAXNORM_GN_CLUSTER_STAMP(0);
   if (tid == 0) {
-    for (int s = 0; s < kClusterGnStages; ++s) mbar_init(&bars[s], 1);
+    for (int s = 0; s < kClusterGnStages; ++s) {
+      mbar_init(&full[s], 1);
+      if constexpr (kStream) mbar_init(&empty[s], kClusterGnThreads);
+    }
     fence_mbar_init();
-    for (int s = 0, r = 0; r < rows; ++s, r += g.stage_rows) {
-      const int got = rows - r < g.stage_rows ? rows - r : g.stage_rows;
-      const uint32_t bytes = uint32_t(got) * uint32_t(g.c) * sizeof(X);
-      mbar_expect(&bars[s], bytes);
-      bulk_load(dyn + size_t(r) * g.c * sizeof(X), sample + (first_row + r) * g.c, bytes,
-                &bars[s]);
+    if constexpr (kStream) {
+      for (int j = 0; j < kClusterGnStages; ++j) fill(j);
+    } else {
+      for (int s = 0, r = 0; r < held; ++s, r += g.stage_rows) {
+        const int got = held - r < g.stage_rows ? held - r : g.stage_rows;
+        const uint32_t bytes = uint32_t(got) * uint32_t(g.c) * sizeof(X);
+        mbar_expect(&full[s], bytes);
+        bulk_load(dyn + size_t(r) * g.c * sizeof(X), block + size_t(r) * g.c, bytes, &full[s]);
+      }
     }
   }
   for (int k = tid; k < groups; k += kClusterGnThreads) {
@@ -214,25 +298,61 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   JAXNORM_GN_CLUSTER_STAMP(1);
 
   A sh[V], s1[V], s2[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) s1[e] = s2[e] = 0;
   if (active) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) sh[e] = shift[(lane * V + e) / g.group_size], s1[e] = s2[e] = 0;
-    int r = set;
-    for (int s = 0, end = 0; end < rows; ++s) {
-      end = end + g.stage_rows < rows ? end + g.stage_rows : rows;
-      if (r >= end) continue;
-      mbar_wait(&bars[s], 0);
-      for (; r < end; r += sets) {
-        RegVec<X, V> v;
-        v.load_shared(reinterpret_cast<const uint4*>(slice + size_t(r) * g.c + lane * V));
+    for (int e = 0; e < V; ++e) sh[e] = shift[(lane * V + e) / g.group_size];
+  }
+  auto add = [&](const X* at) {
+    RegVec<X, V> v;
+    v.load_shared(reinterpret_cast<const uint4*>(at));
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = v.get(e) - sh[e];
-          s1[e] += d;
-          s2[e] = fmaf(d, d, s2[e]);
-        }
-      }
+    for (int e = 0; e < V; ++e) {
+      const A d = v.get(e) - sh[e];
+      s1[e] += d;
+      s2[e] = fmaf(d, d, s2[e]);
     }
+  };
+  // The streamed laps; each stage refilled with the chunk a lap on once
+  // every thread has read it (the stage of the chunk before the thread's:
+  // thread 0 then seldom waits).
+  const int streamed_chunks = kStream ? chunks.laps * kClusterGnStages : 0;
+  for (int j = 0; j < streamed_chunks; ++j) {
+    const int s = j % kClusterGnStages;
+    int r0, r1;
+    chunks.range(j, r0, r1);
+    // Every thread waits, rows to read or not, so that none arrives on
+    // empty[s] for a lap on before the lap's phase completes.
+    mbar_wait(&full[s], uint32_t(j / kClusterGnStages) & 1);
+    if (active) {
+      const X* stage = slice + size_t(s) * g.stage_rows * g.c + lane * V;
+      for (int r = r0 + set; r < r1; r += sets) add(stage + size_t(r - r0) * g.c);
+    }
+    mbar_arrive(&empty[s]);
+    if (tid == 0 && j > 0) {
+      mbar_wait(&empty[(j - 1) % kClusterGnStages], uint32_t((j - 1) / kClusterGnStages) & 1);
+      fill(j - 1 + kClusterGnStages);
+    }
+  }
+  if (tid == 0 && streamed_chunks > 0) {
+    const int last = streamed_chunks - 1;
+    mbar_wait(&empty[last % kClusterGnStages], uint32_t(last / kClusterGnStages) & 1);
+    fill(last + kClusterGnStages);
+  }
+  // The held rows, which stay: a thread takes rows set, then every `sets`-th,
+  // as it takes them again for y.
+  if (active) {
+    const uint32_t parity = kStream ? uint32_t(chunks.laps) & 1 : 0;
+    int r = set;
+    for (int s = 0, end = 0; end < held; ++s) {
+      end = end + g.stage_rows < held ? end + g.stage_rows : held;
+      if (r >= end) continue;
+      mbar_wait(&full[s], parity);
+      for (; r < end; r += sets) add(slice + size_t(r) * g.c + lane * V);
+    }
+  }
+  if (active) {
     if (sums_a_lane(g.group_size, V) == V) {  // one group: its channels' sums added
 #pragma unroll
       for (int e = 1; e < V; ++e) s1[0] += s1[e], s2[0] += s2[e];
@@ -309,12 +429,25 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       b[e] -= st.x * w[e];
     }
     Y* out = y + (n * g.rows + first_row) * g.c + lane * V;
-    for (int r = set; r < rows; r += sets) {
+    auto y_of = [&](const RegVec<X, V>& v, A (&o)[V]) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) o[e] = activate(g.act, fmaf(v.get(e), w[e], b[e]));
+    };
+    // Streamed rows first, while L2 may still hold them; their y evict-first,
+    // so as not to push them out.
+    if constexpr (kStream) {
+      for_streamed_rows<X, V>(block, held, rows, sets, g.c, set, lane,
+                              [&](int r, const RegVec<X, V>& v) {
+        A o[V];
+        y_of(v, o);
+        store_vec<V, true>(out + size_t(r) * g.c, o);
+      });
+    }
+    for (int r = set; r < held; r += sets) {
       RegVec<X, V> v;
       v.load_shared(reinterpret_cast<const uint4*>(slice + size_t(r) * g.c + lane * V));
       A o[V];
-#pragma unroll
-      for (int e = 0; e < V; ++e) o[e] = activate(g.act, fmaf(v.get(e), w[e], b[e]));
+      y_of(v, o);
       store_vec<V>(out + size_t(r) * g.c, o);
     }
   }
@@ -332,6 +465,7 @@ struct ClusterGnPlan {
   ClusterGnArgs args;
   size_t smem = 0;
   int64_t blocks(int64_t n) const { return n * args.clusters_per_sample * parts; }
+  bool streams() const { return args.held_rows < args.rows_per_block; }
   // The clusters' sums of ClusterGnExchange.
   size_t exchange_bytes(int64_t n) const {
     if (args.clusters_per_sample == 1) return 0;
@@ -341,32 +475,44 @@ struct ClusterGnPlan {
 };
 
 // The plan of `parts` blocks a cluster and `clusters` clusters a sample, if
-// its rows fit the blocks' shared memory and all its clusters run at once.
+// all its clusters run at once and its rows fit the blocks' shared memory;
+// or, where `stream`, with as many of each block's rows held there as fit
+// and the rest streamed.
 template <typename X, typename Y, typename W, int V>
 ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_size, int parts,
-                               int clusters, const DeviceInfo& dev) {
+                               int clusters, const DeviceInfo& dev, bool stream = false) {
   ClusterGnPlan plan;
   const int64_t blocks = int64_t(parts) * clusters;
   const int64_t rows = (a + blocks - 1) / blocks;
   if (!dev.clusters || n < 1 || c / V > kClusterGnThreads ||
-      rows * c * int64_t(sizeof(X)) > int64_t(dev.max_dynamic_smem)) {
+      rows > std::numeric_limits<int>::max()) {
     return plan;
   }
-  const ClusterGnSmem s =
-      ClusterGnSmem::of(kClusterGnThreads, int(rows), int(c), V, int(group_size), sizeof(X));
-  if (s.total > dev.max_dynamic_smem) return plan;
-  auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
-  if (n * clusters > resident_clusters(kernel, kClusterGnThreads, s.total, parts, dev)) {
+  const auto smem_of = [&](int64_t held) {
+    return ClusterGnSmem::of(kClusterGnThreads, int(held), int(c), V, int(group_size), sizeof(X))
+        .total;
+  };
+  const size_t fixed = smem_of(0), row_bytes = size_t(c) * sizeof(X);
+  if (fixed + row_bytes > dev.max_dynamic_smem) return plan;
+  const int64_t fit = int64_t((dev.max_dynamic_smem - fixed) / row_bytes);
+  if (rows > fit && !stream) return plan;
+  // Streaming, the ring's stages take held_rows / kClusterGnStages rows each.
+  const int64_t held = rows <= fit ? rows : fit - fit % kClusterGnStages;
+  if (held < 1) return plan;
+  auto kernel = held < rows ? group_norm_cluster_fwd<X, Y, W, V, true>
+                            : group_norm_cluster_fwd<X, Y, W, V, false>;
+  if (n * clusters > resident_clusters(kernel, kClusterGnThreads, smem_of(held), parts, dev)) {
     return plan;
   }
   plan.parts = parts;
-  plan.smem = s.total;
+  plan.smem = smem_of(held);
   plan.args.rows = a;
   plan.args.c = int(c);
   plan.args.group_size = int(group_size);
   plan.args.clusters_per_sample = clusters;
   plan.args.rows_per_block = int(rows);
-  plan.args.stage_rows = int((rows + kClusterGnStages - 1) / kClusterGnStages);
+  plan.args.held_rows = int(held);
+  plan.args.stage_rows = int((held + kClusterGnStages - 1) / kClusterGnStages);
   return plan;
 }
 
@@ -396,27 +542,63 @@ ClusterGnPlan plan_one_cluster_a_sample(int64_t n, int64_t a, int64_t c, int64_t
 // of 16 10.8, notes v86).
 constexpr int kMaxClustersASample = 16;
 
-// Where one cluster a sample does not serve a batch of 2 or more, several
-// clusters a sample ran 1.16-1.55x as fast as the passes on an H200
-// (1.25-1.36x with 8-16 samples of 1.3-2.6 MB), the more blocks the faster,
-// up to kMaxClustersASample: of clusters of 16, 8, 4 or 2 blocks, each with
-// the most clusters a sample that run at once, the one with the most blocks
-// (v86). One sample (0.88-1.10x) stays with the passes.
+// Of clusters of 16, 8, 4 or 2 blocks, each with the most clusters a sample
+// (at least `min_clusters`, up to kMaxClustersASample) that run at once, the
+// one with the most blocks: with `stream`, as many of their rows held as fit.
 template <typename X, typename Y, typename W, int V>
-ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
-                              const DeviceInfo& dev) {
-  ClusterGnPlan best = plan_one_cluster_a_sample<X, Y, W, V>(n, a, c, group_size, dev);
-  if (best.parts > 0 || n < 2) return best;
+ClusterGnPlan most_blocks(int64_t n, int64_t a, int64_t c, int64_t group_size, int min_clusters,
+                          bool stream, const DeviceInfo& dev) {
+  ClusterGnPlan best;
   for (int parts : {16, 8, 4, 2}) {
-    for (int m = kMaxClustersASample; m >= 2; --m) {
+    for (int m = kMaxClustersASample; m >= min_clusters; --m) {
       if (n * m * parts > dev.sms) continue;
-      const ClusterGnPlan plan = cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, m, dev);
+      const ClusterGnPlan plan =
+          cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, m, dev, stream);
       if (plan.parts == 0) continue;
       if (plan.blocks(n) > best.blocks(n)) best = plan;
       break;
     }
   }
-  if (double(best.blocks(n)) < kClusterGnMinBusy * dev.sms) return {};
+  return best;
+}
+
+// A single sample spreads over the SMs, and a plan streams, where the sample
+// has at most this many groups: on an H200 (bf16, benchmarks/NOTES.md v87) a
+// sample of 32 groups of 32x32x1280 ran 1.42x the passes in 15 clusters of 8,
+// 256x256x128 1.17x, 256 groups (channels) of 32x28x28x256 1.23x; 1024 and
+// 2048 channels 0.97x and 0.80x (streaming 76% of the rows, 0.89x).
+constexpr int64_t kMaxGroupsSpread = 256;
+
+// A plan that streams holds at least this share of each block's rows: on an
+// H200 (v87) 1.29-1.35x the passes holding 28-58% of the rows with 1-4
+// clusters a sample (16x64x64x320, 32 and 64 samples of 32x32x640), 1.03-1.10x
+// holding 43-86% with 15 (1x512x512x64, 2x256x256x128, samples of 64 and 256
+// channels), 0.93x holding 22% (256x56x56x64, 64 channels).
+constexpr double kMinHeldShare = 0.25;
+
+// Where one cluster a sample does not serve a batch, several clusters a
+// sample ran 1.16-1.55x as fast as the passes on an H200 (1.25-1.36x with
+// 8-16 samples of 1.3-2.6 MB), the more blocks the faster, up to
+// kMaxClustersASample (most_blocks, v86), and a single sample of few groups
+// as well (v87). Where x is more than the SMs' shared memory holds, the plan
+// of the most blocks holds what fits and streams the rest, which it reads
+// again for y (v87).
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                              const DeviceInfo& dev) {
+  ClusterGnPlan best = plan_one_cluster_a_sample<X, Y, W, V>(n, a, c, group_size, dev);
+  if (best.parts > 0) return best;
+  const bool few_groups = c / group_size <= kMaxGroupsSpread;
+  if (n >= 2 || few_groups) {
+    best = most_blocks<X, Y, W, V>(n, a, c, group_size, 2, false, dev);
+    if (double(best.blocks(n)) >= kClusterGnMinBusy * dev.sms) return best;
+  }
+  best = most_blocks<X, Y, W, V>(n, a, c, group_size, 1, true, dev);
+  const ClusterGnArgs& g = best.args;
+  if (!few_groups || best.parts == 0 || !best.streams() ||
+      g.held_rows < kMinHeldShare * g.rows_per_block) {
+    return {};
+  }
   return best;
 }
 
@@ -454,7 +636,8 @@ template <typename X, typename Y, typename W, int V>
 cudaError_t launch_cluster_gn(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
                               const X* x, ChannelParams<W> p, void* sums, unsigned* counters,
                               const DeviceInfo& dev, float* mean, float* var, Y* y) {
-  auto kernel = group_norm_cluster_fwd<X, Y, W, V>;
+  auto kernel = plan.streams() ? group_norm_cluster_fwd<X, Y, W, V, true>
+                               : group_norm_cluster_fwd<X, Y, W, V, false>;
   const int m = plan.args.clusters_per_sample;
   ClusterGnExchange ex;
   if (m > 1) ex = {static_cast<float2*>(sums), counters, counters + dev.sms};

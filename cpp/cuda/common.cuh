@@ -599,6 +599,33 @@ __device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t
 #endif
 }
 
+// bulk_load with an L2 policy (l2_policy) for the lines it reads.
+__device__ __forceinline__ void bulk_load(void* smem, const void* gmem, uint32_t bytes,
+                                          uint64_t* bar, uint64_t policy) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(shared_addr(smem)),
+      "l"(gmem), "r"(bytes), "r"(shared_addr(bar)), "l"(policy)
+      : "memory");
+#endif
+}
+
+// An L2 policy for all of an access's lines: evict-last (kLast: kept for a
+// later read) or evict-first.
+template <bool kLast>
+__device__ __forceinline__ uint64_t l2_policy() {
+  uint64_t policy = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (kLast) {
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  }
+#endif
+  return policy;
+}
+
 // Publishes the mbarriers the thread initialized to the cluster, so that the
 // cluster barrier after it may be relaxed: a release would first wait for
 // every earlier memory access of the thread (MEMBAR.ALL.GPU), loads included.
