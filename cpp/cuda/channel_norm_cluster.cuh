@@ -223,10 +223,11 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   static_assert(sizeof(acc_t<X>) == 4 && V * sizeof(X) == 16);
   using A = float;
   extern __shared__ __align__(kDynSmemAlign) unsigned char dyn[];
-  // full[s]: stage s's bytes landed; empty[s] (kStream): every thread done
-  // reading it.
-  __shared__ uint64_t bars[(kStream ? 2 : 1) * kClusterGnStages];
-  uint64_t *full = bars, *empty = bars + kClusterGnStages;
+  // The stages' mbarriers: full alone where every row is held, a ring of
+  // them (BulkFill) where rows stream.
+  __shared__ typename BulkFill<kClusterGnStages>::Shared bars;
+  uint64_t* full = bars.full;
+  BulkFill<kClusterGnStages> ring{bars};
   const int groups = g.c / g.group_size, lanes = g.c / V, sets = kClusterGnThreads / lanes;
   const ClusterGnSmem at =
       ClusterGnSmem::of(kClusterGnThreads, g.held_rows, g.c, V, g.group_size, sizeof(X));
@@ -256,26 +257,19 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     const int s = j % kClusterGnStages;
     int r0, r1;
     chunks.range(j, r0, r1);
-    if (r0 >= r1) {
-      mbar_arrive(&full[s]);
-      return;
-    }
-    const uint32_t bytes = uint32_t(r1 - r0) * uint32_t(g.c) * sizeof(X);
-    mbar_expect(&full[s], bytes);
+    const uint32_t bytes = r0 < r1 ? uint32_t(r1 - r0) * uint32_t(g.c) * sizeof(X) : 0;
     const bool streamed = j < chunks.laps * kClusterGnStages;
-    bulk_load(dyn + size_t(s) * g.stage_rows * g.c * sizeof(X), block + size_t(r0) * g.c, bytes,
-              &full[s], streamed ? l2_policy<true>() : l2_policy<false>());
+    ring.fill(s, dyn + size_t(s) * g.stage_rows * g.c * sizeof(X), block + size_t(r0) * g.c,
+              bytes, streamed ? l2_policy<true>() : l2_policy<false>());
   };
   JAXNORM_GN_CLUSTER_STAMP(0);
+  if constexpr (kStream) ring.init();
   if (tid == 0) {
-    for (int s = 0; s < kClusterGnStages; ++s) {
-      mbar_init(&full[s], 1);
-      if constexpr (kStream) mbar_init(&empty[s], kClusterGnThreads);
-    }
-    fence_mbar_init();
     if constexpr (kStream) {
       for (int j = 0; j < kClusterGnStages; ++j) fill(j);
     } else {
+      for (int s = 0; s < kClusterGnStages; ++s) mbar_init(&full[s], 1);
+      fence_mbar_init();
       for (int s = 0, r = 0; r < held; ++s, r += g.stage_rows) {
         const int got = held - r < g.stage_rows ? held - r : g.stage_rows;
         const uint32_t bytes = uint32_t(got) * uint32_t(g.c) * sizeof(X);
@@ -322,24 +316,17 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     const int s = j % kClusterGnStages;
     int r0, r1;
     chunks.range(j, r0, r1);
-    // Every thread waits, rows to read or not, so that none arrives on
-    // empty[s] for a lap on before the lap's phase completes.
-    mbar_wait(&full[s], uint32_t(j / kClusterGnStages) & 1);
+    // Every thread waits, rows to read or not, so that none releases the
+    // stage for a lap on before the lap's phase completes.
+    ring.wait(s);
     if (active) {
       const X* stage = slice + size_t(s) * g.stage_rows * g.c + lane * V;
       for (int r = r0 + set; r < r1; r += sets) add(stage + size_t(r - r0) * g.c);
     }
-    mbar_arrive(&empty[s]);
-    if (tid == 0 && j > 0) {
-      mbar_wait(&empty[(j - 1) % kClusterGnStages], uint32_t((j - 1) / kClusterGnStages) & 1);
-      fill(j - 1 + kClusterGnStages);
-    }
+    ring.release(s);
+    if (tid == 0 && j > 0) fill(j - 1 + kClusterGnStages);
   }
-  if (tid == 0 && streamed_chunks > 0) {
-    const int last = streamed_chunks - 1;
-    mbar_wait(&empty[last % kClusterGnStages], uint32_t(last / kClusterGnStages) & 1);
-    fill(last + kClusterGnStages);
-  }
+  if (tid == 0 && streamed_chunks > 0) fill(streamed_chunks - 1 + kClusterGnStages);
   // The held rows, which stay: a thread takes rows set, then every `sets`-th,
   // as it takes them again for y.
   if (active) {

@@ -635,6 +635,61 @@ __device__ __forceinline__ void fence_mbar_init() {
 #endif
 }
 
+// A ring of kStages stages of shared memory that thread 0 fills by bulk
+// copies: full[s] completes as stage s's bytes land; empty[s] once every
+// thread of the block is done reading it (every thread arrives: an arrive
+// releases only its own thread's reads, benchmarks/NOTES.md v48), after which
+// thread 0 may fill it again. Each thread tracks the phases it has seen.
+template <int kStages>
+struct BulkFill {
+  struct Shared {
+    uint64_t full[kStages], empty[kStages];
+  };
+  Shared& sh;
+  uint32_t full_phase = 0, empty_phase = 0, filled = 0;  // a bit a stage
+
+  // Thread 0; visible to the block after a barrier (or the cluster's, with
+  // ClusterSum::init).
+  __device__ void init() const {
+    if (threadIdx.x != 0) return;
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&sh.full[s], 1);
+      mbar_init(&sh.empty[s], blockDim.x);
+    }
+    fence_mbar_init();
+  }
+  // Thread 0: copies `bytes` from each of x and dy into their places in
+  // stage s, once it is empty.
+  __device__ void fill(int s, void* x_at, const void* x, void* dy_at, const void* dy,
+                       uint32_t bytes) {
+    claim(s, 2 * bytes);
+    bulk_load(x_at, x, bytes, &sh.full[s]);
+    bulk_load(dy_at, dy, bytes, &sh.full[s]);
+  }
+  // Thread 0: copies `bytes` (none: the phase completes empty) from src to
+  // `at` in stage s, once it is empty, with an L2 policy (l2_policy).
+  __device__ void fill(int s, void* at, const void* src, uint32_t bytes, uint64_t policy) {
+    claim(s, bytes);
+    if (bytes > 0) bulk_load(at, src, bytes, &sh.full[s], policy);
+  }
+  __device__ void wait(int s) {
+    mbar_wait(&sh.full[s], full_phase >> s & 1);
+    full_phase ^= 1u << s;
+  }
+  __device__ void release(int s) const { mbar_arrive(&sh.empty[s]); }
+
+ private:
+  // Waits until stage s is empty (if filled before), then announces `bytes`.
+  __device__ void claim(int s, uint32_t bytes) {
+    if (filled >> s & 1) {
+      mbar_wait(&sh.empty[s], empty_phase >> s & 1);
+      empty_phase ^= 1u << s;
+    }
+    filled |= 1u << s;
+    mbar_expect(&sh.full[s], bytes);
+  }
+};
+
 // A cluster barrier in halves: every thread of every block of the cluster
 // arrives (release: its earlier writes to shared memory visible to the
 // other blocks after their wait; relaxed: no ordering), then waits for all

@@ -384,57 +384,19 @@ struct Ring {
   }
 };
 
-// bwd_regs' kBulk: a split block's x and dy reach a stage of the ring as
-// one bulk copy (TMA) each, issued by thread 0, in place of each thread's
-// cp.async of its own vectors (~140 of the ~1060 instructions a thread spent
-// on a row of RMSNorm's split at 65536 wide, sm_90 SASS). With one row a
-// block and tpr == blockDim, a block's slice of a row and its place in a
-// stage (Ring::at) are both contiguous. full[s] completes as stage s's bytes
-// land; empty[s] once every thread is done reading it (every thread arrives:
-// an arrive releases only its own thread's reads, benchmarks/NOTES.md v48).
-// Thread 0 refills the stage of the row before after the current row's
-// cluster sums, which every warp sends only after reading that row: the wait
-// on empty[s] then never holds warp 0. Refilled at the row's start instead,
-// as the cp.async ring does, the wait held warp 0, and with it the cluster's
-// sums (LayerNorm 8192x12288 2.3x as long); refilled there only where the
-// stage was empty already, RMSNorm 512x65536 gained 1% where the refill after
-// the sums gained 7% (benchmarks/NOTES.md v58).
-template <int kStages>
-struct BulkFill {
-  struct Shared {
-    uint64_t full[kStages], empty[kStages];
-  };
-  Shared& sh;
-  uint32_t full_phase = 0, empty_phase = 0, filled = 0;  // a bit a stage
-
-  // Thread 0; made visible by the cluster barrier of ClusterSum::init.
-  __device__ void init() const {
-    if (threadIdx.x != 0) return;
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(&sh.full[s], 1);
-      mbar_init(&sh.empty[s], blockDim.x);
-    }
-    fence_mbar_init();
-  }
-  // Thread 0: copies `bytes` from each of x and dy into their places in
-  // stage s, once it is empty.
-  __device__ void fill(int s, void* x_at, const void* x, void* dy_at, const void* dy,
-                       uint32_t bytes) {
-    if (filled >> s & 1) {
-      mbar_wait(&sh.empty[s], empty_phase >> s & 1);
-      empty_phase ^= 1u << s;
-    }
-    filled |= 1u << s;
-    mbar_expect(&sh.full[s], 2 * bytes);
-    bulk_load(x_at, x, bytes, &sh.full[s]);
-    bulk_load(dy_at, dy, bytes, &sh.full[s]);
-  }
-  __device__ void wait(int s) {
-    mbar_wait(&sh.full[s], full_phase >> s & 1);
-    full_phase ^= 1u << s;
-  }
-  __device__ void release(int s) const { mbar_arrive(&sh.empty[s]); }
-};
+// bwd_regs' kBulk (a BulkFill ring, common.cuh): a split block's x and dy
+// reach a stage of the ring as one bulk copy (TMA) each, issued by thread 0,
+// in place of each thread's cp.async of its own vectors (~140 of the ~1060
+// instructions a thread spent on a row of RMSNorm's split at 65536 wide,
+// sm_90 SASS). With one row a block and tpr == blockDim, a block's slice of a
+// row and its place in a stage (Ring::at) are both contiguous. Thread 0
+// refills the stage of the row before after the current row's cluster sums,
+// which every warp sends only after reading that row: the wait on empty[s]
+// then never holds warp 0. Refilled at the row's start instead, as the
+// cp.async ring does, the wait held warp 0, and with it the cluster's sums
+// (LayerNorm 8192x12288 2.3x as long); refilled there only where the stage
+// was empty already, RMSNorm 512x65536 gained 1% where the refill after the
+// sums gained 7% (benchmarks/NOTES.md v58).
 
 // A thread's place on the register path: its lane within its row, its row's
 // slot within the block, and the row length in vectors.
