@@ -40,9 +40,13 @@ namespace jaxnorm::cuda {
 #ifndef JAXNORM_GN_CLUSTER_STAMP
 #define JAXNORM_GN_CLUSTER_STAMP(i)
 #endif
+#ifndef JAXNORM_GN_CLUSTER_DELAY
+#define JAXNORM_GN_CLUSTER_DELAY(n)
+#endif
 
 constexpr int kClusterGnThreads = 512;
 constexpr int kClusterGnStages = 8;  // bulk copies a block, each its own mbarrier
+constexpr int kMeetLoads = 16;       // a sample's clusters' sums in flight a thread
 
 // One launch: x (N, A, C) channels-last, a cluster of `parts` blocks a sample.
 struct ClusterGnArgs {
@@ -263,6 +267,11 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
               bytes, streamed ? l2_policy<true>() : l2_policy<false>());
   };
   JAXNORM_GN_CLUSTER_STAMP(0);
+  JAXNORM_GN_CLUSTER_DELAY(n);
+  // The shifts' loads go out ahead of the bulk copies: behind them they came
+  // back after a block's whole slice (4.3 us in, notes v88), and the sums
+  // wait for them.
+  const float first_shift = tid < groups ? to_acc(sample[int64_t(tid) * g.group_size]) : 0.0f;
   if constexpr (kStream) ring.init();
   if (tid == 0) {
     if constexpr (kStream) {
@@ -278,7 +287,8 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       }
     }
   }
-  for (int k = tid; k < groups; k += kClusterGnThreads) {
+  if (tid < groups) shift[tid] = first_shift;
+  for (int k = tid + kClusterGnThreads; k < groups; k += kClusterGnThreads) {
     shift[k] = to_acc(sample[int64_t(k) * g.group_size]);
   }
   // The parameters travel while the rows land.
@@ -353,7 +363,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   JAXNORM_GN_CLUSTER_STAMP(2);
   const int per_lane = sums_a_lane(g.group_size, V);
   sum_groups(partial, sets, g.c / per_lane, g.group_size / per_lane, groups, block_sums);
-  cluster_arrive_release();
+  cluster_arrive_release_shared();  // block_sums, read by the cluster's blocks
   cluster_wait();
   JAXNORM_GN_CLUSTER_STAMP(3);
   // Every block adds the cluster's sums in rank order, then the sample's
@@ -386,20 +396,22 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   cluster_arrive_relaxed();  // this block's reads of the others' sums are done
   if (m > 1) {
     arrive_and_wait(ex.arrived + n, unsigned(m), rank == 0);
-    // A thread a group, its clusters' sums loaded 8 at a time, added in
+    // A thread a group, its clusters' sums loaded 16 at a time (one trip to
+    // L2 for the 15-16 clusters of a spread sample; 8 at a time took two,
+    // 0.2-0.4 us more, notes v88), added in
     // cluster order (a warp a group, a lane a cluster, took a trip more to
     // L2 for its second group: +0.6-1.3 us, notes v86).
     const float2* sample_sums = ex.sums + n * m * groups;
     for (int k = tid; k < groups; k += kClusterGnThreads) {
       float2 t = make_float2(0.0f, 0.0f);
-      for (int j0 = 0; j0 < int(m); j0 += 8) {
-        float2 q[8];
+      for (int j0 = 0; j0 < int(m); j0 += kMeetLoads) {
+        float2 q[kMeetLoads];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) {
+        for (int u = 0; u < kMeetLoads; ++u) {
           q[u] = j0 + u < int(m) ? __ldcg(sample_sums + (j0 + u) * groups + k) : make_float2(0, 0);
         }
 #pragma unroll
-        for (int u = 0; u < 8; ++u) t.x += q[u].x, t.y += q[u].y;
+        for (int u = 0; u < kMeetLoads; ++u) t.x += q[u].x, t.y += q[u].y;
       }
       finish(k, t);
     }
