@@ -113,10 +113,13 @@ int main() {
     for (int warps : {1, 2, 4, 8}) {
       char name[64];
       const unsigned grid = unsigned((rows + warps - 1) / warps);
+      const unsigned threads = 32u * unsigned(warps);
       std::snprintf(name, sizeof name, "blocks of %d warps", warps);
-      report(name, time_us(s, [&] { rows_in_blocks<false><<<grid, 32 * warps, 0, s>>>(xv, yv, rows); }));
+      report(name,
+             time_us(s, [&] { rows_in_blocks<false><<<grid, threads, 0, s>>>(xv, yv, rows); }));
       std::snprintf(name, sizeof name, "blocks of %d warps, hints", warps);
-      report(name, time_us(s, [&] { rows_in_blocks<true><<<grid, 32 * warps, 0, s>>>(xv, yv, rows); }));
+      report(name,
+             time_us(s, [&] { rows_in_blocks<true><<<grid, threads, 0, s>>>(xv, yv, rows); }));
     }
     {  // 8 blocks of 256 threads an SM: every warp resident at once
       const unsigned grid = unsigned(sms * 8);

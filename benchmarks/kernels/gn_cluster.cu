@@ -23,7 +23,7 @@
 // STAMPS=1 (with ONLY): each block's thread 0 stamps the global timer at
 // the kernel's phases (JAXNORM_GN_CLUSTER_STAMP in channel_norm_cluster.cuh)
 // in one more launch, printed as quantiles over the blocks.
-constexpr int kStamps = 7;
+constexpr int kStamps = 8;
 __device__ unsigned long long g_stamps[4096 * kStamps];
 #define JAXNORM_GN_CLUSTER_STAMP(i)                                               \
   if (threadIdx.x == 0) {                                                         \
@@ -73,8 +73,8 @@ void print_stamps(cudaStream_t s, unsigned blocks, F launch) {
   CHECK(cudaMemcpyFromSymbol(t.data(), g_stamps, t.size() * sizeof(t[0])));
   unsigned long long t0 = ~0ull;
   for (unsigned b = 0; b < blocks; ++b) t0 = std::min(t0, t[b * kStamps]);
-  const char* names[kStamps] = {"start", "shifts", "loaded+summed", "cluster sums",
-                                "statistics", "stores issued", "end"};
+  const char* names[kStamps] = {"start",        "shifts",     "loaded+summed", "block sums",
+                                "cluster sums", "statistics", "stores issued", "end"};
   for (int i = 0; i < kStamps; ++i) {
     std::vector<double> v(blocks);
     for (unsigned b = 0; b < blocks; ++b) v[b] = 1e-3 * double(t[b * kStamps + i] - t0);
@@ -106,7 +106,7 @@ int main() {
   const char* only = std::getenv("ONLY");
   if (const char* d = std::getenv("DELAY_NS")) {
     const char* m = std::getenv("DELAY_MOD");
-    const unsigned ns = unsigned(std::atoi(d)), mod = m ? unsigned(std::atoi(m)) : 2u;
+    const unsigned ns = unsigned(std::atoi(d)), mod = m && std::atoi(m) > 0 ? unsigned(std::atoi(m)) : 2u;
     CHECK(cudaMemcpyToSymbol(g_delay_ns, &ns, sizeof ns));
     CHECK(cudaMemcpyToSymbol(g_delay_mod, &mod, sizeof mod));
   }
