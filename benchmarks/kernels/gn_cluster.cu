@@ -106,7 +106,8 @@ int main() {
   const char* only = std::getenv("ONLY");
   if (const char* d = std::getenv("DELAY_NS")) {
     const char* m = std::getenv("DELAY_MOD");
-    const unsigned ns = unsigned(std::atoi(d)), mod = m && std::atoi(m) > 0 ? unsigned(std::atoi(m)) : 2u;
+    const int mod_arg = m ? std::atoi(m) : 0;
+    const unsigned ns = unsigned(std::atoi(d)), mod = mod_arg > 0 ? unsigned(mod_arg) : 2u;
     CHECK(cudaMemcpyToSymbol(g_delay_ns, &ns, sizeof ns));
     CHECK(cudaMemcpyToSymbol(g_delay_mod, &mod, sizeof mod));
   }
