@@ -32,23 +32,6 @@ __device__ unsigned long long g_stamps[4096 * kStamps];
     if (blockIdx.x < 4096) g_stamps[blockIdx.x * kStamps + (i)] = t;              \
   }
 
-// DELAY_NS=d DELAY_MOD=k (default 2): sample n's blocks start their loads
-// (n % k) * d ns late, so that the samples' meetings come at different times
-// (notes v88: slower at every delay).
-__device__ unsigned g_delay_ns = 0, g_delay_mod = 1;
-#define JAXNORM_GN_CLUSTER_DELAY(n)                                               \
-  if (g_delay_ns != 0 && (n) % g_delay_mod != 0) {                               \
-    if (threadIdx.x == 0) {                                                       \
-      unsigned long long t0, t;                                                   \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));                     \
-      const unsigned long long wait = g_delay_ns * ((n) % g_delay_mod);           \
-      do {                                                                        \
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));                    \
-      } while (t - t0 < wait);                                                    \
-    }                                                                             \
-    __syncthreads();                                                              \
-  }
-
 #include "cuda/channel_norm_cluster.cuh"
 #include "graph_timing.h"
 
@@ -104,13 +87,6 @@ int main() {
   // ONLY=sample:n:parts:m[:held%] runs that shape alone (for STAMPS, or Nsight
   // Compute); held% where the plan streams.
   const char* only = std::getenv("ONLY");
-  if (const char* d = std::getenv("DELAY_NS")) {
-    const char* m = std::getenv("DELAY_MOD");
-    const int mod_arg = m ? std::atoi(m) : 0;
-    const unsigned ns = unsigned(std::atoi(d)), mod = mod_arg > 0 ? unsigned(mod_arg) : 2u;
-    CHECK(cudaMemcpyToSymbol(g_delay_ns, &ns, sizeof ns));
-    CHECK(cudaMemcpyToSymbol(g_delay_mod, &mod, sizeof mod));
-  }
   constexpr int V = 8;
   const DeviceInfo& dev = device_info(0);
   cudaDeviceProp prop;

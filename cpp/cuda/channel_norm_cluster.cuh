@@ -40,9 +40,6 @@ namespace jaxnorm::cuda {
 #ifndef JAXNORM_GN_CLUSTER_STAMP
 #define JAXNORM_GN_CLUSTER_STAMP(i)
 #endif
-#ifndef JAXNORM_GN_CLUSTER_DELAY
-#define JAXNORM_GN_CLUSTER_DELAY(n)
-#endif
 
 constexpr int kClusterGnThreads = 512;
 constexpr int kClusterGnStages = 8;  // bulk copies a block, each its own mbarrier
@@ -142,13 +139,12 @@ __device__ __forceinline__ void reset_if_last(unsigned before, unsigned blocks,
   if (before == blocks - 1) *arrived = 0, *departed = 0;
 }
 
-// Sums of the block's float2s over group k's `per` entries in each of the
-// `sets` rows of `stride` entries, in a fixed order: a warp a group where a
-// group has many of them, else a thread a group. Item i of a group is entry
-// i % per of row i / per, stepped without a division an item, and a thread's
-// loads go out kSumLoads at a time before it adds them in order (with rows
-// of `width`, a division an item and one load at a time, the block's sums
-// took 1.3 us at 128 channels, 0.86 so: notes v89).
+// The sum of a group's items first, first + step, ... below `items`, in that
+// order: item i is entry i % per of row i / per (rows `stride` apart from
+// `group`), stepped without a division an item, kSumLoads loads in flight.
+// A division an item and one load at a time (and rows a multiple of 128 B
+// apart) took the block's sums 1.3 us at 128 channels, against 0.86 (notes
+// v89).
 constexpr int kSumLoads = 4;
 __device__ __forceinline__ float2 sum_items(const float2* group, int stride, int per, int items,
                                             int first, int step) {
@@ -170,6 +166,10 @@ __device__ __forceinline__ float2 sum_items(const float2* group, int stride, int
   }
   return t;
 }
+
+// Sums of the block's float2s over group k's `per` entries in each of the
+// `sets` rows of `stride` entries, in a fixed order: a warp a group where a
+// group has many of them, else a thread a group.
 __device__ __forceinline__ void sum_groups(const float2* partial, int sets, int stride, int per,
                                            int groups, float2* block_sums) {
   const int items = sets * per;
@@ -287,7 +287,6 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
               bytes, streamed ? l2_policy<true>() : l2_policy<false>());
   };
   JAXNORM_GN_CLUSTER_STAMP(0);
-  JAXNORM_GN_CLUSTER_DELAY(n);
   // The shifts' loads go out ahead of the bulk copies: behind them they came
   // back after a block's whole slice (4.3 us in, notes v88), and the sums
   // wait for them.
