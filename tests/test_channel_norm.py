@@ -782,26 +782,33 @@ def _close_all(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
 
 
-def test_batch_norm_leaves_the_elementwise_work_to_xla():
-    """BatchNorm's kernels compute the statistics and the backward's sums
-    alone (their y and dx results are empty), so XLA fuses the normalize and
-    dx with the ops around them; GroupNorm's kernels write y (in the launch
-    that computes the statistics) and dx."""
+def test_batch_norm_elementwise_work_by_mode():
+    """BatchNorm without a fused activation leaves y and dx to XLA, which
+    fuses them with the ops around them (a residual add, a ReLU): its kernels
+    compute the statistics and the backward's sums alone, their y and dx
+    results empty. With an activation fused, the kernels write y (in the
+    launch that computes the statistics) and dx, as GroupNorm's do. In
+    evaluation y and dx are jax.numpy."""
     x = rand(70, (4, 3, 3, 8), jnp.float32)
     scale, bias = params(71, 8, jnp.float32)
 
-    def results(norm):
-        loss = jax.jit(jax.grad(lambda x: jnp.sum(jnp.square(norm(x)))))
-        lines = loss.lower(x).as_text().splitlines()
-        calls = [ln for ln in lines if "custom_call @jaxnorm_channel_norm" in ln]
-        return [ln.split("->")[-1] for ln in calls]
+    def bn(training, activation=None):
+        return lambda x: jaxnorm.batch_norm(x, scale, bias, jnp.zeros(8), jnp.ones(8),
+                                            training=training, activation=activation)[0]
 
-    bn = results(lambda x: jaxnorm.batch_norm(x, scale, bias, jnp.zeros(8), jnp.ones(8),
-                                              training=True)[0])
-    gn = results(lambda x: jaxnorm.group_norm(x, 2, scale, bias))
-    assert len(bn) == 2 and all("tensor<0xf32>" in r.split(",")[0] for r in bn), bn
-    assert len(gn) == 2 and "tensor<4x2xf32>" in gn[0].split(",")[1], gn
-    assert all("tensor<4x9x8x1xf32>" in r.split(",")[0] for r in gn), gn
+    def calls(norm):
+        loss = jax.grad(lambda x: jnp.sum(jnp.square(norm(x))))
+        hlo = jax.jit(loss).lower(x).compile().as_text()
+        return _compiled_calls(hlo, "channel_norm_fwd"), _compiled_calls(hlo, "channel_norm_bwd")
+
+    y, stats = "f32[1,36,8,1]", "f32[1,8]"  # the kernels' (N, A, C, B) and (N, G)
+    fwd, (bwd,) = calls(bn(True))
+    assert len(fwd) == 1 and y not in fwd[0][0] and stats in fwd[0][0], fwd
+    assert y not in bwd[0] and stats in bwd[1], bwd
+    fwd, (bwd,) = calls(bn(True, "relu"))
+    assert len(fwd) == 1 and y in fwd[0][0] and stats in fwd[0][0], fwd
+    assert y in bwd[0] and stats in bwd[1], bwd
+    assert calls(bn(False)) == ([], [])  # dx alone: XLA's, no kernel
 
 
 def _compiled_calls(compiled_hlo, name):
