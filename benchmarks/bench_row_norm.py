@@ -100,6 +100,12 @@ def xla_batch_norm(x, scale, bias, running_mean, running_var, epsilon=1e-5, mome
             momentum * running_var + (1 - momentum) * var)
 
 
+def xla_batch_norm_relu(x, scale, bias, running_mean, running_var):
+    """xla_batch_norm then ReLU, as a ResNet's block applies them."""
+    y, mean, var = xla_batch_norm(x, scale, bias, running_mean, running_var)
+    return jax.nn.relu(y), mean, var
+
+
 def xla_batch_norm_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5):
     y = (x.astype(jnp.float32) - running_mean) * jax.lax.rsqrt(running_var + epsilon)
     return (y * scale + bias).astype(x.dtype)
@@ -146,6 +152,11 @@ def jaxnorm_batch_norm(x, scale, bias, running_mean, running_var):
     return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=True)
 
 
+def jaxnorm_batch_norm_relu(x, scale, bias, running_mean, running_var):
+    return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=True,
+                              activation="relu")
+
+
 def jaxnorm_batch_norm_eval(x, scale, bias, running_mean, running_var):
     return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=False)[0]
 
@@ -156,6 +167,7 @@ IMPLS = {
     "add_rms_norm": {"jaxnorm": jaxnorm.add_rms_norm, "xla": xla_add_rms_norm},
     "group_norm": {"jaxnorm": jaxnorm_group_norm, "xla": xla_group_norm},
     "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm},
+    "batch_norm_relu": {"jaxnorm": jaxnorm_batch_norm_relu, "xla": xla_batch_norm_relu},
     "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
     "channel_softmax": {"jaxnorm": jaxnorm_channel_softmax, "xla": xla_channel_softmax},
     "channel_softmax_nchw": {
@@ -167,7 +179,7 @@ IMPLS = {
         "jaxnorm": functools.partial(jaxnorm_local_response_norm, axis=1),
         "xla": functools.partial(xla_local_response_norm, axis=1)},
 }
-CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval")
 PASSES = {"batch_norm_eval": ("fwd",)}  # others: fwd and fwd+bwd
 # The bars: percent of the measured copy bandwidth on the large shapes, and
 # jaxnorm's speed-up over XLA on every shape.
@@ -188,7 +200,8 @@ def bytes_per_element(op, pass_):
 
 def large_shapes(op):
     return {"group_norm": GROUP_SHAPES, "batch_norm": BATCH_SHAPES,
-            "batch_norm_eval": BATCH_SHAPES, **ALONG_SHAPES}.get(op, LARGE)
+            "batch_norm_relu": BATCH_SHAPES, "batch_norm_eval": BATCH_SHAPES,
+            **ALONG_SHAPES}.get(op, LARGE)
 
 
 def inputs(op, shape, dtype):
@@ -227,7 +240,7 @@ def _jax_call(op, impl, pass_, shape, dtype):
     x, params, dy = inputs(op, shape, dtype)
     if pass_ == "fwd":
         return jax.jit(f), x, *params
-    if op == "batch_norm":  # the gradients of x, scale and bias through y
+    if op in ("batch_norm", "batch_norm_relu"):  # the gradients of x, scale and bias through y
         def f(x, scale, bias, *running, f=f):
             return f(x, scale, bias, *running)[0]
 
@@ -437,6 +450,9 @@ def main():
               "dy, dh + write dx (= dresidual). torch's forward+backward also writes y. "
               "GroupNorm and BatchNorm: NHWC x, float32 parameters (the bytes of x only); "
               "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW. "
+              "batch_norm_relu: BatchNorm then ReLU (jaxnorm's fused: activation='relu'), "
+              "whose forward+backward keeps the forward's launch (its statistics give "
+              "ReLU's derivative), y written with them. "
               "channel_softmax and local_response_norm (size 5): NHWC x, over the channels "
               "(torch's LRN takes NCHW); channel_softmax_nchw, local_response_norm_nchw: "
               "NCHW x.",

@@ -22,9 +22,9 @@ import tempfile
 from devtime import kernel_summary, sum_kernel_medians
 
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6, "group_norm": 1e-5,
-       "batch_norm": 1e-5, "batch_norm_eval": 1e-5}
+       "batch_norm": 1e-5, "batch_norm_relu": 1e-5, "batch_norm_eval": 1e-5}
 GROUPS = 32  # as bench_row_norm.py's
-CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_eval")
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval")
 ALONG_OPS = ("channel_softmax", "channel_softmax_nchw", "local_response_norm",
              "local_response_norm_nchw")
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)  # as bench_row_norm.py
@@ -80,6 +80,10 @@ def _reference(op):
         y = ((xf - mean) * torch.rsqrt(var + EPS["batch_norm"]) * w + b).to(x.dtype)
         return y, 0.99 * rm + 0.01 * mean, 0.99 * rv + 0.01 * var
 
+    def batch_relu(x, w, b, rm, rv):
+        y, mean, var = batch(x, w, b, rm, rv)
+        return torch.relu(y), mean, var
+
     def batch_eval(x, w, b, rm, rv):
         y = (x.float() - rm) * torch.rsqrt(rv + EPS["batch_norm_eval"])
         return (y * w + b).to(x.dtype)
@@ -96,9 +100,9 @@ def _reference(op):
         return y.movedim(-1, dim).to(x.dtype)
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
-            "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
-            "channel_softmax_nchw": lambda x: softmax(x, dim=1), "local_response_norm": lrn,
-            "local_response_norm_nchw": lambda x: lrn(x, dim=1)}[op]
+            "batch_norm": batch, "batch_norm_relu": batch_relu, "batch_norm_eval": batch_eval,
+            "channel_softmax": softmax, "channel_softmax_nchw": lambda x: softmax(x, dim=1),
+            "local_response_norm": lrn, "local_response_norm_nchw": lambda x: lrn(x, dim=1)}[op]
 
 
 def _eager(op):
@@ -121,6 +125,9 @@ def _eager(op):
         return F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.01,
                             eps=EPS["batch_norm"])
 
+    def batch_relu(x, w, b, rm, rv):
+        return F.relu(batch(x, w, b, rm, rv))
+
     def batch_eval(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=False, eps=EPS["batch_norm_eval"])
 
@@ -131,9 +138,9 @@ def _eager(op):
         return F.local_response_norm(x, **LRN)
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
-            "batch_norm": batch, "batch_norm_eval": batch_eval, "channel_softmax": softmax,
-            "channel_softmax_nchw": lambda x: softmax(x, dim=1), "local_response_norm": lrn,
-            "local_response_norm_nchw": lrn}[op]
+            "batch_norm": batch, "batch_norm_relu": batch_relu, "batch_norm_eval": batch_eval,
+            "channel_softmax": softmax, "channel_softmax_nchw": lambda x: softmax(x, dim=1),
+            "local_response_norm": lrn, "local_response_norm_nchw": lrn}[op]
 
 
 def _liger(op):
