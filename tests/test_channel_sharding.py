@@ -75,6 +75,11 @@ def _batch_norm(x, scale, bias):
                               momentum=0.9)
 
 
+def _batch_norm_relu(x, scale, bias):
+    return jaxnorm.batch_norm(x, scale, bias, jnp.zeros(C), jnp.ones(C), training=True,
+                              momentum=0.9, activation="relu")
+
+
 BN_SPECS = [P("data"), P(("data", "model")), P("data", "model"), P(None, "data"),
             P("data", None, None, "model"), P(None, None, None, ("data", "model")), P()]
 
@@ -92,6 +97,19 @@ def test_batch_norm_partitioned(spec):
     assert found["fwd"] == fwd
     bwd = [("all-reduce", 4 * local_c)] if reduce_shards > 1 else []
     assert found["grad"] == sorted(fwd + bwd)
+
+
+@pytest.mark.parametrize("spec", [P("data"), P("data", None, None, "model")], ids=str)
+def test_batch_norm_relu_partitioned(spec):
+    """ReLU fused (y and dx from the kernels, not XLA): the same collectives
+    as without it."""
+    mesh = make_mesh((2, 4))
+    found = _compare(_batch_norm_relu, mesh, spec, params_like_x=True)
+    split = _split(mesh, spec)
+    reduce_shards, local_c = math.prod(split[:3]), C // split[3]
+    fwd = [("all-gather", reduce_shards * local_c * 2)]
+    assert found["fwd"] == fwd
+    assert found["grad"] == sorted(fwd + [("all-reduce", 4 * local_c)])
 
 
 def test_batch_norm_partitioned_with_replicated_params():
@@ -145,24 +163,27 @@ def test_group_norm_channels_cut_inside_a_group_are_gathered():
 # ------------------------------------------------------------ shard_map
 
 
-def test_synchronized_batch_norm_in_shard_map():
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_synchronized_batch_norm_in_shard_map(activation):
     """axis_name: the batch split over 'data' (and 'model' replicates) gives
     the single-device statistics, running statistics and gradients; the
-    forward has one all-gather, the backward one all-reduce."""
+    forward has one all-gather, the backward one all-reduce (y and dx XLA's
+    without an activation, the kernels' with ReLU fused)."""
     mesh = make_mesh((4, 2))
     x, scale, bias = _inputs()
     rm, rv = rand(4, (C,), jnp.float32), jnp.ones(C) * 2
 
     def body(x, scale, bias):
         return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=True, momentum=0.8,
-                                  axis_name="data", unbiased_running_var=True)
+                                  axis_name="data", unbiased_running_var=True,
+                                  activation=activation)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P()),
                       out_specs=(P("data"), P(), P()))
 
     def single(x, scale, bias):
         return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=True, momentum=0.8,
-                                  unbiased_running_var=True)
+                                  unbiased_running_var=True, activation=activation)
 
     _close(jax.jit(f)(x, scale, bias), jax.jit(single)(x, scale, bias))
     assert collective_sizes(jax.jit(f).lower(x, scale, bias).compile().as_text()) == [
