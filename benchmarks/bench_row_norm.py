@@ -1,7 +1,8 @@
 """RMSNorm, LayerNorm, fused add+RMSNorm, GroupNorm, BatchNorm, the channel
 softmax and local response normalization: jaxnorm
 against XLA's fused jnp implementation of the same math (same dtypes, float32
-statistics) and, where they import, PyTorch eager, torch.compile and
+statistics), Flax's own LayerNorm, GroupNorm and BatchNorm modules (their
+one-pass variance) and, where they import, PyTorch eager, torch.compile and
 Liger-Kernel (torch_peers.py), as device kernel time, forward and
 forward+backward, on the large shapes and the decode shapes (more decode
 shapes for the forwards of RMSNorm and add+RMSNorm). GroupNorm (32 groups)
@@ -44,6 +45,11 @@ from devtime import (
 )
 
 import jaxnorm
+
+try:  # a peer where it imports
+    import flax.linen as flax_nn
+except ImportError:
+    flax_nn = None
 
 LARGE = [(16384, 4096), (4096, 8192), (65536, 1024), (8192, 12288), (2048, 32768),
          (512, 65536)]
@@ -161,13 +167,49 @@ def jaxnorm_batch_norm_eval(x, scale, bias, running_mean, running_var):
     return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=False)[0]
 
 
+# Flax's own modules, as a model applies them (dtype x's, float32 statistics):
+# their defaults compute the variance in one pass, E[x^2] - E[x]^2
+# (use_fast_variance), where the xla_* forms above subtract the mean first.
+# Faster where XLA reduces over columns (GroupNorm, BatchNorm: x read once
+# for both moments), but it cancels where |mean| >> std, which jaxnorm's
+# shifted sums do not.
+
+
+def flax_layer_norm(x, scale, bias, epsilon=1e-5):
+    return flax_nn.LayerNorm(epsilon=epsilon, dtype=x.dtype).apply(
+        {"params": {"scale": scale, "bias": bias}}, x)
+
+
+def flax_group_norm(x, scale, bias, epsilon=1e-5):
+    return flax_nn.GroupNorm(GROUPS, epsilon=epsilon, dtype=x.dtype).apply(
+        {"params": {"scale": scale, "bias": bias}}, x)
+
+
+def flax_batch_norm(x, scale, bias, running_mean, running_var, epsilon=1e-5, momentum=0.99):
+    y, state = flax_nn.BatchNorm(use_running_average=False, momentum=momentum,
+                                 epsilon=epsilon, dtype=x.dtype).apply(
+        {"params": {"scale": scale, "bias": bias},
+         "batch_stats": {"mean": running_mean, "var": running_var}}, x,
+        mutable=["batch_stats"])
+    return y, state["batch_stats"]["mean"], state["batch_stats"]["var"]
+
+
+def flax_batch_norm_relu(x, scale, bias, running_mean, running_var):
+    y, mean, var = flax_batch_norm(x, scale, bias, running_mean, running_var)
+    return jax.nn.relu(y), mean, var
+
+
 IMPLS = {
     "rms_norm": {"jaxnorm": jaxnorm.rms_norm, "xla": xla_rms_norm},
-    "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm},
+    "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm,
+                   "flax": flax_layer_norm},
     "add_rms_norm": {"jaxnorm": jaxnorm.add_rms_norm, "xla": xla_add_rms_norm},
-    "group_norm": {"jaxnorm": jaxnorm_group_norm, "xla": xla_group_norm},
-    "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm},
-    "batch_norm_relu": {"jaxnorm": jaxnorm_batch_norm_relu, "xla": xla_batch_norm_relu},
+    "group_norm": {"jaxnorm": jaxnorm_group_norm, "xla": xla_group_norm,
+                   "flax": flax_group_norm},
+    "batch_norm": {"jaxnorm": jaxnorm_batch_norm, "xla": xla_batch_norm,
+                   "flax": flax_batch_norm},
+    "batch_norm_relu": {"jaxnorm": jaxnorm_batch_norm_relu, "xla": xla_batch_norm_relu,
+                        "flax": flax_batch_norm_relu},
     "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
     "channel_softmax": {"jaxnorm": jaxnorm_channel_softmax, "xla": xla_channel_softmax},
     "channel_softmax_nchw": {
@@ -179,6 +221,11 @@ IMPLS = {
         "jaxnorm": functools.partial(jaxnorm_local_response_norm, axis=1),
         "xla": functools.partial(xla_local_response_norm, axis=1)},
 }
+if flax_nn is None:
+    for impls in IMPLS.values():
+        impls.pop("flax", None)
+# The tables' columns in this order; others after.
+IMPL_ORDER = ("jaxnorm", "xla", "flax", "torch", "torch.compile", "liger")
 CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval")
 PASSES = {"batch_norm_eval": ("fwd",)}  # others: fwd and fwd+bwd
 # The bars: percent of the measured copy bandwidth on the large shapes, and
@@ -290,6 +337,12 @@ def measure(ops, shapes, dtype, peers):
     return records
 
 
+def _impls(records):
+    """The implementations in the records, in IMPL_ORDER."""
+    found = list(dict.fromkeys(r["impl"] for r in records))
+    return sorted(found, key=lambda i: IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER))
+
+
 def _by_case(records):
     """{(op, pass, shape): {impl: record}}, in the records' order."""
     cases = {}
@@ -301,7 +354,7 @@ def _by_case(records):
 def table(records, copy):
     """The markdown table: one line per case, with jaxnorm's speed-up over
     each other implementation."""
-    impls = list(dict.fromkeys(r["impl"] for r in records))
+    impls = _impls(records)
     cases = _by_case(records)
     head = ["op", "pass", "shape", *[f"{i} µs" for i in impls], "jaxnorm % of copy",
             *[f"vs {i}" for i in impls if i != "jaxnorm"]]
@@ -332,14 +385,19 @@ def standing(records, copy):
     the bars, and every case where a peer is faster."""
     cases = _by_case(records)
     lines = ["Against the bars (percent of copy on the large shapes):", ""]
-    measures = (  # bars, jaxnorm's figure of a record, its unit
-        (BARS, lambda r: 100 * r["gbps"] / copy, "{:.0f}", "{}%"),
-        (XLA_BARS, lambda r: r["vs_xla"], "{:.2f}x", "{:.1f}x XLA"),
+    def speed_up_over(peer):
+        return lambda c: c[peer]["us"] / c["jaxnorm"]["us"] if peer in c else None
+
+    measures = (  # bars, jaxnorm's figure of a case's records, its unit
+        (BARS, lambda c: 100 * c["jaxnorm"]["gbps"] / copy, "{:.0f}", "{}%"),
+        (XLA_BARS, speed_up_over("xla"), "{:.2f}x", "{:.1f}x XLA"),
+        (XLA_BARS, speed_up_over("flax"), "{:.2f}x", "{:.1f}x XLA, Flax's module"),
     )
     for bars, figure, fmt, bar_fmt in measures:
         for (pass_, op), bar in bars.items():
-            got = [(shape, figure(cases[op, pass_, shape]["jaxnorm"])) for shape in
-                   large_shapes(op) if "jaxnorm" in cases.get((op, pass_, shape), {})]
+            got = [(shape, figure(cases[op, pass_, shape])) for shape in large_shapes(op)
+                   if "jaxnorm" in cases.get((op, pass_, shape), {})]
+            got = [(shape, value) for shape, value in got if value is not None]
             if not got:
                 continue
             below = [_shape(shape) for shape, value in got if value < bar]
@@ -368,7 +426,7 @@ def chart(records, copy, title, path):
     except ImportError:
         print("# no matplotlib: no chart")
         return
-    impls = list(dict.fromkeys(r["impl"] for r in records))
+    impls = _impls(records)
     panels = list(dict.fromkeys((r["op"], r["pass"]) for r in records))
     fig, axes = plt.subplots(len(panels), 1, figsize=(14, 3.6 * len(panels)), squeeze=False)
     width = 0.8 / len(impls)

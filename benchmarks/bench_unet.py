@@ -14,7 +14,10 @@ take turns, `--repeats` times each (a fresh compilation each time), and the
 table gives the median with its range; the first round prints each
 variant's longest kernels.
 
-  python benchmarks/bench_unet.py --out DIR [--repeats 3]
+  python benchmarks/bench_unet.py --out DIR [--repeats 3] [--dump DUMP]
+
+--dump writes each variant's every kernel (µs a step) and its compiled HLO
+into DUMP, to tell which fusion does what.
 """
 
 from __future__ import annotations
@@ -74,10 +77,19 @@ def build_step(model_name: str, variant: str, batch: int, size: int, channels: i
 
 
 def step_time_us(model_name: str, variant: str, batch: int, size: int, channels: int,
-                 top: int = 0) -> float:
-    """The step's device time; with `top`, prints its `top` longest kernels."""
+                 top: int = 0, dump: str | None = None) -> float:
+    """The step's device time; with `top`, prints its `top` longest kernels;
+    with `dump`, writes there every kernel's time and the compiled HLO."""
     step, args = build_step(model_name, variant, batch, size, channels)
     kernels = kernel_times_or_wall(step, *args, iters=10, warmup=2)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        stem = os.path.join(dump, f"{model_name}_{variant.replace(', ', '_').replace(' ', '_')}")
+        with open(stem + "_kernels.txt", "w") as f:
+            for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]):
+                f.write(f"{v:9.1f}  {k}\n")
+        with open(stem + "_hlo.txt", "w") as f:
+            f.write(step.lower(*args).compile().as_text())
     if top:
         longest = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
         print(f"# {model_name} [{variant}] kernels (µs a step): "
@@ -92,6 +104,8 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="small models, to check the script")
     ap.add_argument("--models", default=",".join(MODELS), help="e.g. resnet")
     ap.add_argument("--variants", default=";".join(VARIANTS), help="e.g. 'jaxnorm;flax'")
+    ap.add_argument("--dump", default=None,
+                    help="a directory for every kernel's time and the compiled HLO (first round)")
     args = ap.parse_args()
     device = jax.devices()[0].device_kind
     sizes = TINY if args.tiny else MODELS
@@ -103,7 +117,8 @@ def main():
         for r in range(args.repeats):
             for v in times:
                 times[v].append(step_time_us(name, v, batch, size, channels,
-                                             top=25 if r == 0 else 0))
+                                             top=25 if r == 0 else 0,
+                                             dump=args.dump if r == 0 else None))
                 print(f"# {name} [{v}]: {times[v][-1]:.0f} µs", flush=True)
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio = med["flax"] / med["jaxnorm"] if {"flax", "jaxnorm"} <= med.keys() else float("nan")
