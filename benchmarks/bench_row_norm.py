@@ -117,6 +117,10 @@ def xla_batch_norm_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5)
     return (y * scale + bias).astype(x.dtype)
 
 
+def xla_batch_norm_relu_eval(x, scale, bias, running_mean, running_var):
+    return jax.nn.relu(xla_batch_norm_eval(x, scale, bias, running_mean, running_var))
+
+
 # Softmax over classes at each pixel (segmentation: 21 and 150 classes) and
 # over 1000 ImageNet classes; LRN as in AlexNet (size 5) on its first two
 # feature maps. NHWC: the channels last, as in Flax.
@@ -167,6 +171,11 @@ def jaxnorm_batch_norm_eval(x, scale, bias, running_mean, running_var):
     return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=False)[0]
 
 
+def jaxnorm_batch_norm_relu_eval(x, scale, bias, running_mean, running_var):
+    return jaxnorm.batch_norm(x, scale, bias, running_mean, running_var, training=False,
+                              activation="relu")[0]
+
+
 # Flax's own modules, as a model applies them (dtype x's, float32 statistics):
 # their defaults compute the variance in one pass, E[x^2] - E[x]^2
 # (use_fast_variance), where the xla_* forms above subtract the mean first.
@@ -199,6 +208,13 @@ def flax_batch_norm_relu(x, scale, bias, running_mean, running_var):
     return jax.nn.relu(y), mean, var
 
 
+def flax_batch_norm_relu_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5):
+    y = flax_nn.BatchNorm(use_running_average=True, epsilon=epsilon, dtype=x.dtype).apply(
+        {"params": {"scale": scale, "bias": bias},
+         "batch_stats": {"mean": running_mean, "var": running_var}}, x)
+    return jax.nn.relu(y)
+
+
 IMPLS = {
     "rms_norm": {"jaxnorm": jaxnorm.rms_norm, "xla": xla_rms_norm},
     "layer_norm": {"jaxnorm": jaxnorm.layer_norm, "xla": xla_layer_norm,
@@ -211,6 +227,8 @@ IMPLS = {
     "batch_norm_relu": {"jaxnorm": jaxnorm_batch_norm_relu, "xla": xla_batch_norm_relu,
                         "flax": flax_batch_norm_relu},
     "batch_norm_eval": {"jaxnorm": jaxnorm_batch_norm_eval, "xla": xla_batch_norm_eval},
+    "batch_norm_relu_eval": {"jaxnorm": jaxnorm_batch_norm_relu_eval,
+                             "xla": xla_batch_norm_relu_eval, "flax": flax_batch_norm_relu_eval},
     "channel_softmax": {"jaxnorm": jaxnorm_channel_softmax, "xla": xla_channel_softmax},
     "channel_softmax_nchw": {
         "jaxnorm": functools.partial(jaxnorm_channel_softmax, axis=1),
@@ -226,14 +244,15 @@ if flax_nn is None:
         impls.pop("flax", None)
 # The tables' columns in this order; others after.
 IMPL_ORDER = ("jaxnorm", "xla", "flax", "torch", "torch.compile", "liger")
-CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval")
-PASSES = {"batch_norm_eval": ("fwd",)}  # others: fwd and fwd+bwd
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval",
+               "batch_norm_relu_eval")
+PASSES = {"batch_norm_eval": ("fwd",), "batch_norm_relu_eval": ("fwd",)}  # others: both
 # The bars: percent of the measured copy bandwidth on the large shapes, and
 # jaxnorm's speed-up over XLA on every shape.
 BARS = {("fwd", "rms_norm"): 90, ("fwd", "layer_norm"): 90, ("fwd", "add_rms_norm"): 90,
         ("fwd+bwd", "rms_norm"): 85, ("fwd+bwd", "layer_norm"): 85,
         ("fwd", "group_norm"): 75, ("fwd+bwd", "group_norm"): 65,
-        ("fwd", "batch_norm_eval"): 85}
+        ("fwd", "batch_norm_eval"): 85, ("fwd", "batch_norm_relu_eval"): 85}
 XLA_BARS = {("fwd", "group_norm"): 2.0, ("fwd+bwd", "group_norm"): 2.0,
             ("fwd", "batch_norm"): 1.5, ("fwd+bwd", "batch_norm"): 1.5}
 
@@ -248,6 +267,7 @@ def bytes_per_element(op, pass_):
 def large_shapes(op):
     return {"group_norm": GROUP_SHAPES, "batch_norm": BATCH_SHAPES,
             "batch_norm_relu": BATCH_SHAPES, "batch_norm_eval": BATCH_SHAPES,
+            "batch_norm_relu_eval": BATCH_SHAPES,
             **ALONG_SHAPES}.get(op, LARGE)
 
 
@@ -510,7 +530,8 @@ def main():
               "torch's GroupNorm takes NCHW, its BatchNorm channels-last NCHW. "
               "batch_norm_relu: BatchNorm then ReLU (jaxnorm's fused: activation='relu'), "
               "whose forward+backward keeps the forward's launch (its statistics give "
-              "ReLU's derivative), y written with them. "
+              "ReLU's derivative), y written with them; batch_norm_relu_eval: the same in "
+              "evaluation (the running statistics given). "
               "channel_softmax and local_response_norm (size 5): NHWC x, over the channels "
               "(torch's LRN takes NCHW); channel_softmax_nchw, local_response_norm_nchw: "
               "NCHW x.",

@@ -22,9 +22,11 @@ import tempfile
 from devtime import kernel_summary, sum_kernel_medians
 
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5, "add_rms_norm": 1e-6, "group_norm": 1e-5,
-       "batch_norm": 1e-5, "batch_norm_relu": 1e-5, "batch_norm_eval": 1e-5}
+       "batch_norm": 1e-5, "batch_norm_relu": 1e-5, "batch_norm_eval": 1e-5,
+       "batch_norm_relu_eval": 1e-5}
 GROUPS = 32  # as bench_row_norm.py's
-CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval")
+CHANNEL_OPS = ("group_norm", "batch_norm", "batch_norm_relu", "batch_norm_eval",
+               "batch_norm_relu_eval")
 ALONG_OPS = ("channel_softmax", "channel_softmax_nchw", "local_response_norm",
              "local_response_norm_nchw")
 LRN = dict(size=5, alpha=1e-4, beta=0.75, k=2.0)  # as bench_row_norm.py
@@ -88,6 +90,9 @@ def _reference(op):
         y = (x.float() - rm) * torch.rsqrt(rv + EPS["batch_norm_eval"])
         return (y * w + b).to(x.dtype)
 
+    def batch_relu_eval(x, w, b, rm, rv):
+        return torch.relu(batch_eval(x, w, b, rm, rv))
+
     def softmax(x, dim=-1):
         return torch.softmax(x.float(), dim).to(x.dtype)
 
@@ -101,6 +106,7 @@ def _reference(op):
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
             "batch_norm": batch, "batch_norm_relu": batch_relu, "batch_norm_eval": batch_eval,
+            "batch_norm_relu_eval": batch_relu_eval,
             "channel_softmax": softmax, "channel_softmax_nchw": lambda x: softmax(x, dim=1),
             "local_response_norm": lrn, "local_response_norm_nchw": lambda x: lrn(x, dim=1)}[op]
 
@@ -131,6 +137,9 @@ def _eager(op):
     def batch_eval(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=False, eps=EPS["batch_norm_eval"])
 
+    def batch_relu_eval(x, w, b, rm, rv):
+        return F.relu(batch_eval(x, w, b, rm, rv))
+
     def softmax(x, dim=-1):  # x NHWC (dim -1) or NCHW (dim 1)
         return F.softmax(x, dim)
 
@@ -139,6 +148,7 @@ def _eager(op):
 
     return {"rms_norm": rms, "layer_norm": layer, "add_rms_norm": add_rms, "group_norm": group,
             "batch_norm": batch, "batch_norm_relu": batch_relu, "batch_norm_eval": batch_eval,
+            "batch_norm_relu_eval": batch_relu_eval,
             "channel_softmax": softmax, "channel_softmax_nchw": lambda x: softmax(x, dim=1),
             "local_response_norm": lrn, "local_response_norm_nchw": lrn}[op]
 

@@ -18,7 +18,8 @@ statistics (and scale and bias, to recompute the activation's input);
 without an activation GroupNorm and InstanceNorm save none, and the
 backward computes them in its pass over x and dy. Given statistics
 (BatchNorm's running averages, in evaluation), the forward only
-normalizes, and the backward takes them as constants.
+normalizes (jax.numpy without an activation, as in training), and the
+backward takes them as constants.
 
 Split over devices, the reduced dims (A and B) combine per-device statistics
 with one all-gather of each device's (mean, M2) per group, merged with Chan's
@@ -611,15 +612,16 @@ def _normalize(op, x, scale, bias, *, lead_ndim, channel_axis, group_size, epsil
     params_dt = param_dtype(x.dtype, scale, bias)
     # BatchNorm's normalize and dx are elementwise over x, which XLA fuses with
     # the network's next ops (a residual add, ReLU), unless an activation is
-    # fused: then y and dx are the kernels'. A ResNet's training step ran
-    # 2-3% faster so with its ReLUs fused than with every BatchNorm's y and dx
-    # in either place, and with them apart 4% faster than with the kernels'
-    # (benchmarks/NOTES.md v90).
+    # fused: then y and dx are the kernels', in training and evaluation alike.
+    # A ResNet's training step ran 2-3% faster so with its ReLUs fused than
+    # with every BatchNorm's y and dx in either place, and with them apart 4%
+    # faster than with the kernels' (benchmarks/NOTES.md v90); evaluation's
+    # kernel writes y at a higher rate than XLA's fusion on an H200 (v85, v91).
     act = _activation(op, activation)
     cfg = _Config(lead_ndim, axis, group_size, eps, act,
                   kernel_out_dtype(x.dtype, out_dtype), params_dt, stats is not None,
                   _checks.axis_name(op, axis_name),
-                  xla_elementwise=op == "batch_norm" and (stats is not None or act == 0))
+                  xla_elementwise=op == "batch_norm" and act == 0)
     s = or_empty(None if scale is None else scale.astype(params_dt), params_dt)
     b = or_empty(None if bias is None else bias.astype(params_dt), params_dt)
     acc = stats_dtype(x.dtype)
@@ -763,10 +765,11 @@ def batch_norm(
         variance (PyTorch's convention); normalization always uses the biased
         one.
       activation: None, ``"silu"`` for ``silu(y)`` or ``"relu"`` for
-        ``relu(y)`` (a ResNet's BatchNorm then ReLU), fused: in training y
-        and dx are then the kernels' (the backward takes the activation's
-        derivative from x and the cotangent of its output); without one
-        they are jax.numpy, which XLA fuses with the ops that follow.
+        ``relu(y)`` (a ResNet's BatchNorm then ReLU), fused: y and dx are
+        then the kernels', in training and evaluation (the backward takes
+        the activation's derivative from x and the cotangent of its
+        output); without one they are jax.numpy, which XLA fuses with the
+        ops that follow.
       dtype: output dtype (default: ``x.dtype``).
       mask: in training, an optional boolean array broadcastable to ``x``:
         the statistics cover the True positions only (padding, or devices

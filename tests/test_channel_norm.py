@@ -535,6 +535,29 @@ def test_batch_norm_gradients_large_mean_are_stable(act):
 
 
 @pytest.mark.parametrize("act", [None, "silu", "relu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=dtype_id)
+def test_batch_norm_evaluation_gradients(dtype, act):
+    """Evaluation, channels-last (the kernels' y and dx where an activation is
+    fused, XLA's without): the gradients of x, scale and bias against float64
+    with the running statistics as constants."""
+    shape = (16, 5, 7, 24)
+    x = rand(42, shape, dtype, offset=0.5)
+    scale, bias = params(43, 24, jnp.float32)
+    rm, rv = rand(44, (24,), jnp.float32), jnp.abs(rand(45, (24,), jnp.float32)) + 0.5
+    dy = rand(46, shape, dtype)
+
+    def f(x, s, b):
+        return jaxnorm.batch_norm(x, s, b, rm, rv, training=False, activation=act)[0]
+
+    got = jax.jit(lambda *a: jax.vjp(f, *a[:3])[1](a[3]))(x, scale, bias, dy)
+    _, want = value_and_vjp(lambda *a: _bn_f64(*a, -1, act, (as64(rm), as64(rv))),
+                            (as64(x), as64(scale), as64(bias)), as64(dy))
+    for g, w, like in zip(got, want, (x, scale, bias)):
+        assert g.dtype == like.dtype
+        assert_close(g, np.asarray(w), dtype, scale=float(np.abs(np.asarray(w)).max()))
+
+
+@pytest.mark.parametrize("act", [None, "silu", "relu"])
 @pytest.mark.parametrize("training", [True, False])
 def test_batch_norm_gradients_float64(training, act):
     shape, axis = (6, 3, 4, 5), 1
@@ -788,7 +811,8 @@ def test_batch_norm_elementwise_work_by_mode():
     compute the statistics and the backward's sums alone, their y and dx
     results empty. With an activation fused, the kernels write y (in the
     launch that computes the statistics) and dx, as GroupNorm's do. In
-    evaluation y and dx are jax.numpy."""
+    evaluation (the statistics given: nothing to reduce) the same by
+    activation: y and dx are jax.numpy without one, the kernels' with one."""
     x = rand(70, (4, 3, 3, 8), jnp.float32)
     scale, bias = params(71, 8, jnp.float32)
 
@@ -809,6 +833,9 @@ def test_batch_norm_elementwise_work_by_mode():
     assert len(fwd) == 1 and y in fwd[0][0] and stats in fwd[0][0], fwd
     assert y in bwd[0] and stats in bwd[1], bwd
     assert calls(bn(False)) == ([], [])  # dx alone: XLA's, no kernel
+    fwd, (bwd,) = calls(bn(False, "relu"))
+    assert len(fwd) == 1 and y in fwd[0][0] and stats not in fwd[0][0], fwd
+    assert y in bwd[0] and stats in bwd[1], bwd
 
 
 def _compiled_calls(compiled_hlo, name):

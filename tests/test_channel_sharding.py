@@ -220,17 +220,31 @@ def test_group_norm_with_spatial_dims_split_in_shard_map():
         ("all-gather", 2 * local_n * GROUPS * 2)]
 
 
-def test_batch_norm_evaluation_needs_no_collective():
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_batch_norm_evaluation_needs_no_collective(activation):
+    """Evaluation's forward needs no collective; its gradients one all-reduce
+    of the parameters' (the kernels' y and dx with an activation fused,
+    XLA's without)."""
     mesh = make_mesh((8,))
     x, scale, bias = _inputs()
     rm, rv = rand(5, (C,), jnp.float32), jnp.ones(C)
 
-    def f(x):
-        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=False)[0]
+    def f(x, scale, bias):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=False,
+                                  activation=activation)[0]
 
-    sharded = jax.jit(f, in_shardings=NamedSharding(mesh, P("a")))
-    _close(sharded(x), f(x))
-    assert collective_sizes(sharded.lower(x).compile().as_text()) == []
+    shardings = (NamedSharding(mesh, P("a")), None, None)
+    sharded = jax.jit(f, in_shardings=shardings)
+    _close(sharded(x, scale, bias), f(x, scale, bias))
+    assert collective_sizes(sharded.lower(x, scale, bias).compile().as_text()) == []
+
+    def grad(**kw):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)), **kw)
+
+    sharded_grad = grad(in_shardings=shardings)
+    _close(sharded_grad(x, scale, bias), grad()(x, scale, bias))
+    assert collective_sizes(sharded_grad.lower(x, scale, bias).compile().as_text()) == [
+        ("all-reduce", 2 * C)]
 
 
 def test_synchronized_batch_norm_with_uneven_device_batches():

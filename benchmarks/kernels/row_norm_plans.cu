@@ -16,6 +16,8 @@
 // shared memory), COUNTS=26,27 the planned split on that many clusters,
 // YOFF_KB=1,64 the planned forward with y that far past x (1: none),
 // DRAM_SLOW=1 every plan as where DRAM is slow (dram_is_slow);
+// FWD_1024=1 the 4-vector forward in blocks of up to 1024 threads (4w, 4we:
+// scale loaded with x) where the plan takes more vectors a thread;
 // FWD_CLUSTERS=1 the forward over clusters of 2, 4 and 8 (8c*) at any width
 // that fwd_block takes at 4 or more vectors a thread, not only at 16. A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
@@ -45,6 +47,14 @@ using namespace jaxnorm::cuda;
 using bf16 = __nv_bfloat16;
 
 __global__ void empty_kernel() {}
+
+// fwd_block's 4-vector forward in blocks of up to 1024 threads (the library's
+// stop at 512): rows of 2049-4096 vectors in one block of 4 vectors a
+// thread, as Liger-Kernel's Triton kernel takes rows of 32768 (FWD_1024=1).
+template <bool kC, bool kEarly>
+__global__ void __launch_bounds__(1024) fwd4_1024(FwdArgs a) {
+  fwd_block_row<__nv_bfloat16, __nv_bfloat16, __nv_bfloat16, 8, 4, kC, true, kEarly>(a);
+}
 
 __global__ void copy_kernel(const uint4* in, uint4* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
@@ -578,16 +588,28 @@ int main(int argc, char** argv) {
           time_us(s, [&] { CHECK(launch_fwd_block<bf16, bf16, bf16, VEC>(s, info, nv, a)); });
       const double bytes = (write_y ? 2.0 : 1.0) * n * 2 + (residual ? 2.0 * n * 2 : 0);
       const int threads = threads_per_row(nvec, nv);
-      auto print_row = [&](const char* name, float t) {
+      auto print_row = [&](const char* name, float t, int tpr = 0) {
         std::printf("%-3s %-9s %12s %5s %4d %3d %6ld %6s %9.1f %6.0f %4.0f%%\n", op,
-                    write_y ? "fwd" : "stats", shape, name, threads, 1, long(c.rows), "-", t,
-                    bytes / t / 1e3, 100 * bytes / t / 1e3 / copy);
+                    write_y ? "fwd" : "stats", shape, name, tpr ? tpr : threads, 1,
+                    long(c.rows), "-", t, bytes / t / 1e3, 100 * bytes / t / 1e3 / copy);
       };
       char name[16];
       std::snprintf(name, sizeof name, "%dh%s", nv, residual ? "+r" : "");
       print_row(name, us);
-      std::vector<float> y_plan;  // to check the cluster kernels against
+      std::vector<float> y_plan;  // to check the other kernels against
       if (verify && !residual && write_y) y_plan = to_host(y, n, true);
+      // The largest difference of `launch`'s y from the plan's, relative.
+      auto check_y = [&](auto launch, const char* label) {
+        if (y_plan.empty()) return;
+        CHECK(cudaMemset(y, 0, n * 2));
+        launch();
+        std::vector<float> got = to_host(y, n, true);
+        double diff = 0;
+        for (int64_t i = 0; i < n; ++i) {
+          diff = std::max(diff, std::abs(double(got[i]) - y_plan[i]) / (1 + std::abs(y_plan[i])));
+        }
+        std::printf("    y-diff of %s against the plan: %.1e\n", label, diff);
+      };
       // What the parameters' loads cost: the same launch without bias (-b)
       // and without scale and bias (-p); y is not checked.
       for (int drop = c.centered ? 0 : 1; mode == 0 && drop < 2; ++drop) {
@@ -609,16 +631,7 @@ int main(int argc, char** argv) {
           auto launch = [&] { CHECK(launch_fwd_cluster<bf16, bf16, bf16, VEC, kC, kParts>(s, info, a)); };
           std::snprintf(name, sizeof name, "8c%d%s", kParts, residual ? "+r" : "");
           print_row(name, time_us(s, launch));
-          if (!y_plan.empty()) {
-            CHECK(cudaMemset(y, 0, n * 2));
-            launch();
-            std::vector<float> got = to_host(y, n, true);
-            double diff = 0;
-            for (int64_t i = 0; i < n; ++i) {
-              diff = std::max(diff, std::abs(double(got[i]) - y_plan[i]) / (1 + std::abs(y_plan[i])));
-            }
-            std::printf("    y-diff of %s against the plan: %.1e\n", name, diff);
-          }
+          check_y(launch, name);
           return 0;
         });
       };
@@ -626,6 +639,26 @@ int main(int argc, char** argv) {
         cluster_row(std::integral_constant<int, 2>{});
         cluster_row(std::integral_constant<int, 4>{});
         cluster_row(std::integral_constant<int, 8>{});
+      }
+      const int threads4 = threads_per_row(nvec, 4);
+      if (std::getenv("FWD_1024") && write_y && threads4 > 512 && threads4 <= 1024) {
+        with_centered(c.centered, [&](auto centered) {
+          constexpr bool kC = decltype(centered)::value;
+          auto one = [&](auto early) {
+            constexpr bool kE = decltype(early)::value;
+            auto kernel = fwd4_1024<kC, kE>;
+            const size_t smem = fwd_block_smem<bf16, bf16, VEC, 4, kC, true, kE>(threads4,
+                                                                              residual);
+            if (smem > 0) CHECK(allow_dynamic_smem_once(kernel, smem, info));
+            auto launch = [&] { kernel<<<c.rows, threads4, smem, s>>>(a); };
+            std::snprintf(name, sizeof name, "4w%s%s", kE ? "e" : "", residual ? "+r" : "");
+            print_row(name, time_us(s, launch), threads4);
+            check_y(launch, name);
+          };
+          one(std::false_type{});
+          one(std::true_type{});
+          return 0;
+        });
       }
       if (nv == kLongNv && mode == 0) {  // the row in registers alone (16r)
         with_centered(c.centered, [&](auto centered) {
