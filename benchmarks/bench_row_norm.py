@@ -6,7 +6,8 @@ one-pass variance) and, where they import, PyTorch eager, torch.compile and
 Liger-Kernel (torch_peers.py), as device kernel time, forward and
 forward+backward, on the large shapes and the decode shapes (more decode
 shapes for the forwards of RMSNorm and add+RMSNorm). GroupNorm (32 groups)
-and BatchNorm (training; evaluation, forward only) take NHWC bf16 x with
+and BatchNorm (training; evaluation, forward only; each also followed by
+ReLU, jaxnorm's fused) take NHWC bf16 x with
 float32 scale and bias, as in a Flax convolutional model; the softmax and
 LRN NHWC bf16 x, along the channels.
 
