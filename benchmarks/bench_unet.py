@@ -5,7 +5,9 @@ step (sum of kernel durations, as devtime.py measures them), bf16.
 - unet: the UNet-style denoiser (GroupNorm + SiLU + conv blocks), batch 16 of
   64x64 images, 128 channels in its first stage;
 - resnet: the conv + BatchNorm + ReLU classifier, batch 128 of 56x56 images,
-  64 channels, on one device.
+  64 channels, on one device;
+- resnet_eval: the same classifier's inference (BatchNorm with the running
+  statistics), its forward alone.
 
 Three variants: jaxnorm's norms with the activation that follows each fused
 into it (GroupNorm + SiLU, BatchNorm + ReLU), the same norms with the
@@ -47,8 +49,10 @@ from unet_train import (  # noqa: E402
 MODELS = {  # name: (batch, image size, channels)
     "unet": (16, 64, 128),
     "resnet": (128, 56, 64),
+    "resnet_eval": (128, 56, 64),
 }
-TINY = {"unet": (2, 16, 32), "resnet": (4, 16, 32)}  # --tiny: checks the script
+TINY = {"unet": (2, 16, 32), "resnet": (4, 16, 32),  # --tiny: checks the script
+        "resnet_eval": (4, 16, 32)}
 
 
 VARIANTS = {  # name: Config fields
@@ -59,8 +63,9 @@ VARIANTS = {  # name: Config fields
 
 
 def build_step(model_name: str, variant: str, batch: int, size: int, channels: int):
-    """The jitted training step of a model and variant, and its first arguments
-    (state, then data: step(*args) returns the new state and the loss)."""
+    """The jitted step of a model and variant, and its arguments: a training
+    step (state, then data: it returns the new state and the loss), or for
+    resnet_eval the model's inference (variables and images: the logits)."""
     cfg = Config(**VARIANTS[variant], channels=channels, dtype=jnp.bfloat16)
     if model_name == "unet":
         model = UNet(cfg)
@@ -71,6 +76,9 @@ def build_step(model_name: str, variant: str, batch: int, size: int, channels: i
     model = ResNet(cfg)
     x, labels = labelled_images(jax.random.key(3), batch, size)
     variables = model.init(jax.random.key(4), x.astype(cfg.dtype), train=False)
+    if model_name == "resnet_eval":
+        infer = jax.jit(lambda v, x: model.apply(v, x.astype(cfg.dtype), train=False))
+        return infer, (variables, x)
     tx = optax.adam(1e-3)
     step = jax.jit(make_classify_step(model, tx))
     return step, (variables, tx.init(variables["params"]), x, labels)
@@ -132,8 +140,8 @@ def main():
                      + f" | {ratio:.2f} |")
     table = "\n".join([
         f"Device: {device}; date {datetime.date.today().isoformat()}; jax {jax.__version__}; "
-        f"bf16; device time of a training step, µs: median of {args.repeats} compilations "
-        "(range).",
+        f"bf16; device time of a training step (resnet_eval: of an inference forward), µs: "
+        f"median of {args.repeats} compilations (range).",
         "",
         "| model | batch | " + " | ".join(variants) + " | flax / jaxnorm |",
         "|---|---|" + "---:|" * (len(variants) + 1),
