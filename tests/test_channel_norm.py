@@ -415,6 +415,35 @@ def test_batch_norm_vmap_keeps_statistics_apart():
     np.testing.assert_allclose(g[1], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_batch_norm_vmap_by_mode(training, activation):
+    """vmap over x, and over x and the running statistics, in training and
+    evaluation, with and without an activation fused (the kernels' y and dx
+    or XLA's): each mapped instance as a call of its own, gradients too."""
+    x = rand(27, (3, 16, 5, 6), jnp.float32, offset=0.5)
+    scale, bias = params(28, 6, jnp.float32)
+    rms = rand(29, (3, 6), jnp.float32)
+    rvs = jnp.abs(rand(30, (3, 6), jnp.float32)) + 0.5
+
+    def f(x, rm, rv):
+        return jaxnorm.batch_norm(x, scale, bias, rm, rv, training=training,
+                                  activation=activation)[0]
+
+    def loss(x, rm, rv):
+        return jnp.sum(jnp.sin(f(x, rm, rv)))
+
+    for in_axes in ((0, None, None), (0, 0, 0)):
+        rm, rv = (rms[1], rvs[1]) if in_axes[1] is None else (rms, rvs)
+        y = jax.jit(jax.vmap(f, in_axes=in_axes))(x, rm, rv)
+        g = jax.jit(jax.vmap(jax.grad(loss), in_axes=in_axes))(x, rm, rv)
+        for i in range(3):
+            rmi, rvi = (rms[1], rvs[1]) if in_axes[1] is None else (rms[i], rvs[i])
+            np.testing.assert_allclose(y[i], f(x[i], rmi, rvi), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(g[i], jax.grad(loss)(x[i], rmi, rvi), rtol=1e-4,
+                                       atol=1e-5)
+
+
 # ------------------------------------------------------------ BatchNorm
 
 BN_SHAPES = [((16, 5, 5, 12), -1), ((8, 12, 3, 4), 1), ((33, 7), -1), ((4, 3, 2, 2, 5), 1)]
