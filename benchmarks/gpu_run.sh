@@ -23,7 +23,9 @@
 # tree, in place of the build;
 # BENCH_ARGS
 # go to bench_row_norm.py, UNET_ARGS to bench_unet.py; TESTS picks test files (default: all), TESTS_N
-# runs them in that many processes (each takes a share of the GPU's memory); the step
+# runs them in that many processes (each takes a share of the GPU's memory;
+# default 12: the whole suite in about five minutes on an H200, where one
+# process took nine for a tenth of it; TESTS_N= runs one); the step
 # "ncu" profiles the cases in NCU_CASES (see ncu_probe.py) with Nsight
 # Compute where the machine lets it read the counters.
 set -uo pipefail
@@ -71,6 +73,7 @@ if [ -n "$needs_build" ]; then
 fi
 
 tests_rc=0
+TESTS_N=${TESTS_N-12}
 if step tests; then
   echo "== tests on the GPU"
   # Compiling dominates the suite: processes side by side share the GPU.
