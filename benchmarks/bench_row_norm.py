@@ -195,13 +195,20 @@ def flax_group_norm(x, scale, bias, epsilon=1e-5):
         {"params": {"scale": scale, "bias": bias}}, x)
 
 
-def flax_batch_norm(x, scale, bias, running_mean, running_var, epsilon=1e-5, momentum=0.99):
-    y, state = flax_nn.BatchNorm(use_running_average=False, momentum=momentum,
+def _flax_batch_norm(x, scale, bias, running_mean, running_var, *, training,
+                     epsilon=1e-5, momentum=0.99):
+    """Flax's BatchNorm on x: y and the running statistics after the call."""
+    stats = {"mean": running_mean, "var": running_var}
+    y, state = flax_nn.BatchNorm(use_running_average=not training, momentum=momentum,
                                  epsilon=epsilon, dtype=x.dtype).apply(
-        {"params": {"scale": scale, "bias": bias},
-         "batch_stats": {"mean": running_mean, "var": running_var}}, x,
+        {"params": {"scale": scale, "bias": bias}, "batch_stats": stats}, x,
         mutable=["batch_stats"])
-    return y, state["batch_stats"]["mean"], state["batch_stats"]["var"]
+    stats = state.get("batch_stats", stats)
+    return y, stats["mean"], stats["var"]
+
+
+def flax_batch_norm(x, scale, bias, running_mean, running_var):
+    return _flax_batch_norm(x, scale, bias, running_mean, running_var, training=True)
 
 
 def flax_batch_norm_relu(x, scale, bias, running_mean, running_var):
@@ -209,10 +216,8 @@ def flax_batch_norm_relu(x, scale, bias, running_mean, running_var):
     return jax.nn.relu(y), mean, var
 
 
-def flax_batch_norm_relu_eval(x, scale, bias, running_mean, running_var, epsilon=1e-5):
-    y = flax_nn.BatchNorm(use_running_average=True, epsilon=epsilon, dtype=x.dtype).apply(
-        {"params": {"scale": scale, "bias": bias},
-         "batch_stats": {"mean": running_mean, "var": running_var}}, x)
+def flax_batch_norm_relu_eval(x, scale, bias, running_mean, running_var):
+    y = _flax_batch_norm(x, scale, bias, running_mean, running_var, training=False)[0]
     return jax.nn.relu(y)
 
 
