@@ -249,6 +249,90 @@ def test_batches_that_fit_take_the_cluster_forward(tmp_path):
     assert not any("group_norm_cluster_fwd" in k for k in got), got
 
 
+# The backward in clusters (channel_norm_cluster_bwd.cuh, on an H100 or
+# H200; no activation, 256 channels or more): one cluster a sample, several
+# meeting through global memory, rows streamed, one sample spread, blocks
+# without rows.
+CLUSTER_BWD_CASES = [
+    ((4, 32, 32, 1280), 32, jnp.bfloat16, 0.5),    # 2 clusters a sample
+    ((8, 32, 32, 1280), 32, jnp.bfloat16, 0.5),    # rows streamed
+    ((4, 31, 33, 320), 32, jnp.float16, 0.5),      # 10 channels a group
+    ((6, 16, 16, 256), 256, jnp.bfloat16, 0.5),    # one channel a group
+    ((2, 33, 31, 640), 20, jnp.float32, 1e3),      # a large mean, uneven rows
+    ((1, 32, 32, 1280), 32, jnp.bfloat16, 0.5),    # one sample spread
+    ((8, 1, 5, 1280), 32, jnp.float32, 0.5),       # fewer rows than blocks
+    ((16, 64, 64, 320), 32, jnp.bfloat16, 0.5),    # streamed, 8 blocks a cluster
+]
+
+
+def _gn_grads(x, scale, bias, dy, groups, act, y_alive):
+    """jaxnorm's (dx, dscale, dbias): with y alive the backward takes the
+    forward's statistics, with y dead (jax.grad alone) it may compute its own."""
+    def f(x, s, b):
+        return jaxnorm.group_norm(x, groups, s, b, activation=act)
+
+    def with_y(x, s, b):
+        y, pull = jax.vjp(f, x, s, b)
+        return (*pull(dy), y)
+
+    def loss(x, s, b):
+        return jnp.sum(f(x, s, b).astype(jnp.float32) * dy.astype(jnp.float32))
+
+    if y_alive:
+        return jax.jit(with_y)(x, scale, bias)[:3]
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, scale, bias)
+
+
+@pytest.mark.parametrize("y_alive", [True, False], ids=["y-alive", "y-dead"])
+@pytest.mark.parametrize("shape,groups,dtype,offset", CLUSTER_BWD_CASES, ids=str)
+def test_group_norm_backward_in_clusters(shape, groups, dtype, offset, y_alive, act=None):
+    """dx, dscale and dbias against float64; the same bits twice."""
+    if jax.default_backend() != "gpu" and np.prod(shape) > 2**22:
+        pytest.skip("sized for the GPU's cluster plans")
+    x = rand(67, shape, dtype, offset=offset)
+    scale, bias = params(68, shape[-1], jnp.float32)
+    dy = rand(69, shape, dtype)
+    got = _gn_grads(x, scale, bias, dy, groups, act, y_alive)
+    again = _gn_grads(x, scale, bias, dy, groups, act, y_alive)
+    for g, h in zip(got, again):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(h))
+    _, want = value_and_vjp(lambda x, s, b: _gn_f64(x, s, b, groups, -1, act),
+                            (as64(x), as64(scale), as64(bias)), as64(dy))
+    rows = x.size // shape[-1]
+    tol = 20 if offset > 1 else 1
+    assert_close(got[0], want[0], dtype, scale=tol)
+    for g, w in zip(got[1:], want[1:]):  # float32, sums over every row
+        np.testing.assert_allclose(np.asarray(g, np.float64), w, rtol=1e-4,
+                                   atol=1e-4 * tol * np.sqrt(rows))
+
+
+@_H100_OR_H200
+def test_batches_that_fit_take_the_cluster_backward(tmp_path):
+    """The backward of CLUSTER_BWD_CASES' bf16 batches runs as one launch of
+    the cluster kernel (and param_grads), with y alive or dead; with SiLU, or
+    with 128 channels, the passes."""
+    def names(shape, groups, act, y_alive, sub):
+        x, dy = rand(70, shape, jnp.bfloat16), rand(71, shape, jnp.bfloat16)
+        scale, bias = params(72, shape[-1], jnp.float32)
+        grads = functools.partial(_gn_grads, groups=groups, act=act, y_alive=y_alive)
+        return _gpu_kernel_names(grads, x, scale, bias, dy, logdir=tmp_path / sub)
+
+    def clusters(got):
+        return any("group_norm_cluster_bwd" in k for k in got)
+
+    def passes(got):
+        return any("apply_dx" in k for k in got) and any("tile_" in k for k in got)
+
+    for i, (shape, groups, dtype, _) in enumerate(CLUSTER_BWD_CASES):
+        for y_alive in (True, False):
+            if dtype == jnp.bfloat16:
+                got = names(shape, groups, None, y_alive, f"{i}{y_alive}")
+                assert clusters(got) and not passes(got), (shape, y_alive, got)
+    for shape, act in [((8, 32, 32, 1280), "silu"), ((4, 128, 128, 128), None)]:
+        got = names(shape, 32, act, True, f"{shape}{act}")
+        assert passes(got) and not clusters(got), (shape, act, got)
+
+
 def test_nan_stays_in_its_group():
     x = np.array(rand(14, (3, 4, 4, 8), jnp.float32))
     x[1, 2, 3, 5] = np.nan  # sample 1, group 2 of 4 (channels 4-5)

@@ -4,7 +4,7 @@
 // through. They take channels-last x (B == 1); jaxnorm/channel_norm.py lowers
 // other layouts to jax.numpy on GPUs.
 #include "common/channel_args.h"
-#include "cuda/channel_norm_cluster.cuh"
+#include "cuda/channel_norm_cluster_bwd.cuh"
 
 namespace jaxnorm::cuda {
 namespace {
@@ -62,6 +62,20 @@ ffi::Error layout_error(const ChannelNormShape& s) {
       std::to_string(s.b));
 }
 
+// A cluster plan's meeting where it spreads a sample: the counters and the
+// clusters' sums (scratch); without counters the plan is dropped (parts 0:
+// the passes instead).
+ffi::Error cluster_meeting(cudaStream_t stream, const DeviceInfo& dev,
+                           ffi::ScratchAllocator& scratch, int64_t n, ClusterGnPlan& plan,
+                           float** sums, unsigned** counters) {
+  *counters = nullptr;
+  if (plan.args.clusters_per_sample > 1) {
+    *counters = meeting_counters(dev, stream);
+    if (*counters == nullptr) plan = {};
+  }
+  return scratch_of(scratch, int64_t(plan.exchange_bytes(n)) / 4, sums);
+}
+
 // The statistics (tile_stats, then group_stats' merge), unless given, and y
 // from them (apply_affine), where asked for; both in one launch where a
 // sample fits a cluster's shared memory (channel_norm_cluster.cuh).
@@ -75,16 +89,12 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
   if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16 && std::is_same_v<Y, X>) {
     ClusterGnPlan plan;
     if (!given && write_y) plan = plan_cluster_gn<X, Y, W, V>(s.n, s.a, s.c, s.group_size, dev);
+    float* sums = nullptr;
     unsigned* counters = nullptr;
-    if (plan.args.clusters_per_sample > 1) {
-      counters = meeting_counters(dev, stream);
-      if (counters == nullptr) plan = {};  // the passes instead
-    }
+    JAXNORM_RETURN_IF_ERROR(cluster_meeting(stream, dev, scratch, s.n, plan, &sums, &counters));
     if (plan.parts > 0) {
       plan.args.epsilon = epsilon;
       plan.args.act = act;
-      float* sums = nullptr;
-      JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, int64_t(plan.exchange_bytes(s.n)) / 4, &sums));
       return cuda_error(launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, sums, counters,
                                                       dev, mean, var, y),
                         "channel_norm_fwd (clusters)");
@@ -149,6 +159,46 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
   });
 }
 
+// Where the cluster backward runs (H200, bf16, benchmarks/NOTES.md v92):
+// it beat the passes at 320 and 1280 channels and lost at 64 and 128.
+constexpr int64_t kClusterBwdMinChannels = 256;
+
+// The backward without an activation in one launch of the cluster kernel
+// and one of param_grads (channel_norm_cluster_bwd.cuh), where plan_clusters
+// finds a plan for it: `done` says whether it ran. kOwn: the statistics
+// computed.
+template <typename X, typename W, int V, bool kOwn>
+ffi::Error cluster_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
+                       const ChannelNormShape& s, double epsilon, const X* x,
+                       const X* dy, ChannelParams<W> p, const float* mean, const float* var,
+                       X* dx, W* dscale, W* dbias, bool* done) {
+  ClusterGnPlan plan =
+      plan_clusters<ClusterGnBwd<X, W, V, kOwn>, V>(s.n, s.a, s.c, s.group_size, dev);
+  float* sums = nullptr;
+  unsigned* counters = nullptr;
+  JAXNORM_RETURN_IF_ERROR(cluster_meeting(stream, dev, scratch, s.n, plan, &sums, &counters));
+  *done = plan.parts > 0;
+  if (!*done) return ffi::Error::Success();
+  plan.args.epsilon = epsilon;
+  // Each cluster's sums of its channels' dscale and dbias, added over the
+  // clusters by param_grads.
+  const ParamGrads<float, W> grads{nullptr, s.n * plan.args.clusters_per_sample, s.c, dscale,
+                                   dbias};
+  float* chan = nullptr;
+  if (dscale || dbias) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, grads.n * s.c * 2, &chan));
+  JAXNORM_RETURN_IF_ERROR(cuda_error(
+      launch_cluster_gn_bwd<X, W, V, kOwn>(stream, plan, s.n, x, dy, p, mean, var, sums,
+                                           counters, dev, chan, dx),
+      "channel_norm_bwd (clusters)"));
+  if (chan) {
+    ParamGrads<float, W> with_chan = grads;
+    with_chan.chan = chan;
+    param_grads<float, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
+                            stream>>>(with_chan);
+  }
+  return last_launch_error("channel_norm_bwd (clusters)");
+}
+
 // The backward's passes (channel_norm_kernels.cuh): the tiles' sums (with
 // x's moments where it computes its statistics, own_stats), their merge per
 // group (group_sums), dscale/dbias over the samples and dx (apply_dx, or
@@ -161,6 +211,20 @@ ffi::Error launch_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
                       const acc_t<X>* var, const acc_t<X>* means, X* dx, W* dscale, W* dbias,
                       acc_t<X>* sums_out) {
   using A = acc_t<X>;
+  // The cluster kernel where it was measured: 16-byte vectors of x, dy in x's
+  // dtype, dx and the parameters' gradients asked for.
+  if constexpr (sizeof(A) == 4 && V * sizeof(X) == 16 && std::is_same_v<G, X>) {
+    if (mode == ChannelBwdMode::kFull && act == Activation::kNone &&
+        s.c >= kClusterBwdMinChannels) {
+      bool done = false;
+      const ffi::Error err =
+          own_stats ? cluster_bwd<X, W, V, true>(stream, dev, scratch, s, epsilon, x, dy, p, mean,
+                                                 var, dx, dscale, dbias, &done)
+                    : cluster_bwd<X, W, V, false>(stream, dev, scratch, s, epsilon, x, dy, p,
+                                                  mean, var, dx, dscale, dbias, &done);
+      if (err.failure() || done) return err;
+    }
+  }
   const int sums = own_stats ? 5 : 2;  // values a tile and channel
   const Tiles t = own_stats ? plan_tiles(s.n, s.a, s.c, V, sizeof(X) + sizeof(G),
                                          sums * sizeof(A), dev, tile_moments_sums<X, G, V>)

@@ -88,16 +88,48 @@ struct ClusterGnSmem {
   }
 };
 
-// A float2 of the shared memory of the cluster's block of rank r.
-__device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint32_t r) {
-  float2 v = make_float2(0.0f, 0.0f);
+// K floats (2 or 4) of the shared memory of the cluster's block of rank r.
+template <int K>
+__device__ __forceinline__ Packed<float, K> load_cluster(const Packed<float, K>* local,
+                                                         uint32_t r) {
+  static_assert(K == 2 || K == 4);
+  Packed<float, K> v{};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
-               : "=f"(v.x), "=f"(v.y)
-               : "r"(cluster_addr(shared_addr(local), r))
-               : "memory");
+  const uint32_t at = cluster_addr(shared_addr(local), r);
+  if constexpr (K == 2) {
+    asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];"
+                 : "=f"(v.v[0]), "=f"(v.v[1])
+                 : "r"(at)
+                 : "memory");
+  } else {
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.v[0]), "=f"(v.v[1]), "=f"(v.v[2]), "=f"(v.v[3])
+                 : "r"(at)
+                 : "memory");
+  }
 #endif
   return v;
+}
+
+// K floats of global memory, cached in L2 only (another SM wrote them).
+template <int K>
+__device__ __forceinline__ Packed<float, K> load_cg(const Packed<float, K>* p) {
+  Packed<float, K> v;
+  if constexpr (K == 2) {
+    const float2 u = __ldcg(reinterpret_cast<const float2*>(p));
+    v.v[0] = u.x, v.v[1] = u.y;
+  } else {
+    static_assert(K == 4);
+    const float4 u = __ldcg(reinterpret_cast<const float4*>(p));
+    v.v[0] = u.x, v.v[1] = u.y, v.v[2] = u.z, v.v[3] = u.w;
+  }
+  return v;
+}
+
+template <int K>
+__device__ __forceinline__ void add_to(Packed<float, K>& t, const Packed<float, K>& q) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) t.v[i] += q.v[i];
 }
 
 // Where the clusters of a sample meet (clusters_per_sample > 1): each
@@ -105,7 +137,7 @@ __device__ __forceinline__ float2 load_cluster_float2(const float2* local, uint3
 // clusters that have published theirs and the blocks done waiting for them
 // (N each; zero at the launch, left at zero by it: meeting_counters).
 struct ClusterGnExchange {
-  float2* sums = nullptr;
+  void* sums = nullptr;  // Packed<float, K> a group
   unsigned* arrived = nullptr;
   unsigned* departed = nullptr;
 };
@@ -209,25 +241,143 @@ struct RowChunks {
     r0 = j < streamed ? held + j * stage_rows : (j - streamed) * stage_rows;
     r1 = r0 + stage_rows < end ? r0 + stage_rows : end;
   }
+  // Chunk j's first row r0 and its bytes, rows of `row_bytes`.
+  __device__ __forceinline__ uint32_t bytes(int j, uint32_t row_bytes, int& r0) const {
+    int r1;
+    range(j, r0, r1);
+    return r0 < r1 ? uint32_t(r1 - r0) * row_bytes : 0;
+  }
+  // The L2 policy of chunk j's copy: the streamed rows stay in L2, where
+  // they are read again; the held rows need not.
+  __device__ __forceinline__ uint64_t policy(int j) const {
+    return j < laps * kClusterGnStages ? l2_policy<true>() : l2_policy<false>();
+  }
 };
 
-// A block's streamed rows [held, rows) of c elements from `block` (its row
-// 0), read again for y: f(r, v) for rows held + set, then every `sets`-th, v
-// a thread's vector (at `lane`) of row r, kStreamLoads rows' loads in flight.
-constexpr int kStreamLoads = 8;
-template <typename X, int V, typename F>
-__device__ __forceinline__ void for_streamed_rows(const X* block, int held, int rows, int sets,
-                                                  int c, int set, int lane, F&& f) {
-  const X* row0 = block + lane * V;
-  for (int a = held + set; a < rows; a += kStreamLoads * sets) {
-    RegVec<X, V> v[kStreamLoads];
+// Where a block's rows lie: sample n's cluster `sub` (of m), rank `rank` of
+// its `parts` blocks, rows [first_row, first_row + rows) of the sample, the
+// first `held` of them held in shared memory.
+struct ClusterBlock {
+  uint32_t parts, rank, m;
+  int64_t n, first_row;
+  int sub, rows, held;
+  __device__ explicit ClusterBlock(const ClusterGnArgs& g)
+      : parts(cluster_blocks()), rank(cluster_rank()), m(uint32_t(g.clusters_per_sample)) {
+    const uint32_t cluster = blockIdx.x / parts;
+    n = cluster / m;
+    sub = int(cluster % m);
+    first_row = (int64_t(sub) * parts + rank) * g.rows_per_block;
+    const int64_t left = g.rows - first_row;
+    rows = left <= 0 ? 0 : left < g.rows_per_block ? int(left) : g.rows_per_block;
+    held = rows < g.held_rows ? rows : g.held_rows;
+  }
+};
+
+// The block's sums of its threads' (s1, s2) a channel, a float2 a group
+// (out): an active thread holds V channels at `lane` in row set `set`, and
+// where a group holds whole vectors it adds its V channels first.
+template <int V>
+__device__ __forceinline__ void block_group_sums(float2* partial, const float (&s1)[V],
+                                                 const float (&s2)[V], bool active, int set,
+                                                 int lane, int sets, int c, int group_size,
+                                                 float2* out) {
+  const int per_lane = sums_a_lane(group_size, V);
+  if (active) {
+    if (per_lane == V) {  // one group: its channels' sums added
+      float t1 = s1[0], t2 = s2[0];
 #pragma unroll
-    for (int u = 0; u < kStreamLoads; ++u) {
-      if (a + u * sets < rows) v[u].template load<true>(row0 + size_t(a + u * sets) * c);
+      for (int e = 1; e < V; ++e) t1 += s1[e], t2 += s2[e];
+      partial[set * sums_stride(c / V) + lane] = make_float2(t1, t2);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        partial[set * sums_stride(c) + lane * V + e] = make_float2(s1[e], s2[e]);
+      }
+    }
+  }
+  __syncthreads();
+  sum_groups(partial, sets, sums_stride(c / per_lane), group_size / per_lane, c / group_size,
+             out);
+}
+
+// The meeting of a cluster's blocks (and of a sample's clusters, m > 1):
+// each block's sums, K floats a group (block_sums, in its shared memory),
+// added over the cluster's blocks in rank order, then over the sample's
+// clusters in cluster order, so that every block gets the same bits;
+// finish(k, sums) for each group k, a thread a group, then a block barrier.
+// after_reads() runs once the block has read the other blocks' sums (the
+// arrival of the cluster barrier that keeps a block from leaving while
+// another reads its shared memory, where nothing else is read there later).
+template <int K, typename AfterReads, typename Finish>
+__device__ __forceinline__ void meet_groups(const Packed<float, K>* block_sums, int groups,
+                                            const ClusterGnExchange& ex, int64_t n, uint32_t m,
+                                            int sub, AfterReads&& after_reads, Finish&& finish) {
+  const uint32_t parts = cluster_blocks(), rank = cluster_rank();
+  const int tid = int(threadIdx.x);
+  auto* sums = static_cast<Packed<float, K>*>(ex.sums);
+  cluster_arrive_release_shared();  // block_sums, read by the cluster's blocks
+  cluster_wait();
+  JAXNORM_GN_CLUSTER_STAMP(4);
+  for (int k = tid; k < groups; k += kClusterGnThreads) {
+    Packed<float, K> q[kMaxWideClusterParts];
+#pragma unroll
+    for (int r = 0; r < kMaxWideClusterParts; ++r) {
+      if (r < int(parts)) q[r] = load_cluster<K>(&block_sums[k], uint32_t(r));
+    }
+    Packed<float, K> t{};
+#pragma unroll
+    for (int r = 0; r < kMaxWideClusterParts; ++r) {
+      if (r < int(parts)) add_to(t, q[r]);
+    }
+    if (m == 1) {
+      finish(k, t);
+    } else if (rank == 0) {
+      sums[(n * m + sub) * groups + k] = t;
+    }
+  }
+  after_reads();
+  if (m > 1) {
+    arrive_and_wait(ex.arrived + n, unsigned(m), rank == 0);
+    // A thread a group, its clusters' sums loaded 16 at a time (one trip to
+    // L2 for the 15-16 clusters of a spread sample; 8 at a time took two,
+    // 0.2-0.4 us more, notes v88), added in
+    // cluster order (a warp a group, a lane a cluster, took a trip more to
+    // L2 for its second group: +0.6-1.3 us, notes v86).
+    const Packed<float, K>* sample_sums = sums + n * m * groups;
+    for (int k = tid; k < groups; k += kClusterGnThreads) {
+      Packed<float, K> t{};
+      for (int j0 = 0; j0 < int(m); j0 += kMeetLoads) {
+        Packed<float, K> q[kMeetLoads];
+#pragma unroll
+        for (int u = 0; u < kMeetLoads; ++u) {
+          q[u] = j0 + u < int(m) ? load_cg<K>(sample_sums + (j0 + u) * groups + k)
+                                 : Packed<float, K>{};
+        }
+#pragma unroll
+        for (int u = 0; u < kMeetLoads; ++u) add_to(t, q[u]);
+      }
+      finish(k, t);
+    }
+  }
+  __syncthreads();
+  JAXNORM_GN_CLUSTER_STAMP(5);
+}
+
+// f(r, load(r)) for rows r = first, first + step, ... below end, the loads
+// of kStreamLoads rows in flight: a block's streamed rows, read again.
+constexpr int kStreamLoads = 8;
+template <int kLoads = kStreamLoads, typename Load, typename F>
+__device__ __forceinline__ void for_rows_loaded(int first, int end, int step, Load&& load,
+                                                F&& f) {
+  for (int a = first; a < end; a += kLoads * step) {
+    decltype(load(0)) v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (a + u * step < end) v[u] = load(a + u * step);
     }
 #pragma unroll
-    for (int u = 0; u < kStreamLoads; ++u) {
-      if (a + u * sets < rows) f(a + u * sets, v[u]);
+    for (int u = 0; u < kLoads; ++u) {
+      if (a + u * step < end) f(a + u * step, v[u]);
     }
   }
 }
@@ -261,30 +411,22 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   auto* stats = reinterpret_cast<float2*>(dyn + at.stats);
   auto* shift = reinterpret_cast<float*>(dyn + at.shift);
 
-  const uint32_t parts = cluster_blocks(), rank = cluster_rank();
-  const uint32_t cluster = blockIdx.x / parts, m = uint32_t(g.clusters_per_sample);
-  const int64_t n = cluster / m;
-  const int sub = int(cluster % m);  // the sample's cluster
-  const int64_t first_row = (int64_t(sub) * parts + rank) * g.rows_per_block;
-  const int64_t left = g.rows - first_row;
-  const int rows = left <= 0 ? 0 : left < g.rows_per_block ? int(left) : g.rows_per_block;
-  const int held = rows < g.held_rows ? rows : g.held_rows;
+  const ClusterBlock me(g);
+  const uint32_t rank = me.rank, m = me.m;
+  const int64_t n = me.n, first_row = me.first_row;
+  const int sub = me.sub, rows = me.rows, held = me.held;
   const X* sample = x + n * g.rows * g.c;
   const X* block = sample + first_row * g.c;
   const int tid = int(threadIdx.x), lane = tid % lanes, set = tid / lanes;
   const bool active = set < sets;
   const RowChunks chunks(held, rows, g.stage_rows);
-  // Thread 0: chunk j into its stage (an empty one completes the phase). The
-  // streamed rows stay in L2 for y, where they are read again; the held rows
-  // need not.
+  // Thread 0: chunk j into its stage (an empty one completes the phase).
   auto fill = [&](int j) {
     const int s = j % kClusterGnStages;
-    int r0, r1;
-    chunks.range(j, r0, r1);
-    const uint32_t bytes = r0 < r1 ? uint32_t(r1 - r0) * uint32_t(g.c) * sizeof(X) : 0;
-    const bool streamed = j < chunks.laps * kClusterGnStages;
+    int r0;
+    const uint32_t bytes = chunks.bytes(j, uint32_t(g.c) * sizeof(X), r0);
     ring.fill(s, dyn + size_t(s) * g.stage_rows * g.c * sizeof(X), block + size_t(r0) * g.c,
-              bytes, streamed ? l2_policy<true>() : l2_policy<false>());
+              bytes, chunks.policy(j));
   };
   JAXNORM_GN_CLUSTER_STAMP(0);
   // The shifts' loads go out ahead of the bulk copies: behind them they came
@@ -368,79 +510,20 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       for (; r < end; r += sets) add(slice + size_t(r) * g.c + lane * V);
     }
   }
-  if (active) {
-    if (sums_a_lane(g.group_size, V) == V) {  // one group: its channels' sums added
-#pragma unroll
-      for (int e = 1; e < V; ++e) s1[0] += s1[e], s2[0] += s2[e];
-      partial[set * sums_stride(lanes) + lane] = make_float2(s1[0], s2[0]);
-    } else {
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        partial[set * sums_stride(g.c) + lane * V + e] = make_float2(s1[e], s2[e]);
-      }
-    }
-  }
-  __syncthreads();
   JAXNORM_GN_CLUSTER_STAMP(2);
-  const int per_lane = sums_a_lane(g.group_size, V);
-  sum_groups(partial, sets, sums_stride(g.c / per_lane), g.group_size / per_lane, groups,
-             block_sums);
+  block_group_sums<V>(partial, s1, s2, active, set, lane, sets, g.c, g.group_size, block_sums);
   JAXNORM_GN_CLUSTER_STAMP(3);
-  cluster_arrive_release_shared();  // block_sums, read by the cluster's blocks
-  cluster_wait();
-  JAXNORM_GN_CLUSTER_STAMP(4);
   // Every block adds the cluster's sums in rank order, then the sample's
   // clusters' in cluster order: the same bits in each.
   const A count = A(g.rows) * A(g.group_size);
-  auto finish = [&](int k, float2 t) {
-    const A d = t.x / count, var = fmaxf(t.y / count - d * d, A(0));
+  meet_groups<2>(reinterpret_cast<const Packed<float, 2>*>(block_sums), groups, ex, n, m, sub,
+                 cluster_arrive_relaxed, [&](int k, const Packed<float, 2>& t) {
+    const A d = t.v[0] / count, var = fmaxf(t.v[1] / count - d * d, A(0));
     stats[k] = make_float2(shift[k] + d, rsqrtf(var + A(g.epsilon)));
     if (rank == 0 && sub == 0) {
       mean_out[n * groups + k] = shift[k] + d, var_out[n * groups + k] = var;
     }
-  };
-  for (int k = tid; k < groups; k += kClusterGnThreads) {
-    float2 q[kMaxWideClusterParts];
-#pragma unroll
-    for (int r = 0; r < kMaxWideClusterParts; ++r) {
-      if (r < int(parts)) q[r] = load_cluster_float2(&block_sums[k], uint32_t(r));
-    }
-    float2 t = make_float2(0.0f, 0.0f);
-#pragma unroll
-    for (int r = 0; r < kMaxWideClusterParts; ++r) {
-      if (r < int(parts)) t.x += q[r].x, t.y += q[r].y;
-    }
-    if (m == 1) {
-      finish(k, t);
-    } else if (rank == 0) {
-      ex.sums[(n * m + sub) * groups + k] = t;
-    }
-  }
-  cluster_arrive_relaxed();  // this block's reads of the others' sums are done
-  if (m > 1) {
-    arrive_and_wait(ex.arrived + n, unsigned(m), rank == 0);
-    // A thread a group, its clusters' sums loaded 16 at a time (one trip to
-    // L2 for the 15-16 clusters of a spread sample; 8 at a time took two,
-    // 0.2-0.4 us more, notes v88), added in
-    // cluster order (a warp a group, a lane a cluster, took a trip more to
-    // L2 for its second group: +0.6-1.3 us, notes v86).
-    const float2* sample_sums = ex.sums + n * m * groups;
-    for (int k = tid; k < groups; k += kClusterGnThreads) {
-      float2 t = make_float2(0.0f, 0.0f);
-      for (int j0 = 0; j0 < int(m); j0 += kMeetLoads) {
-        float2 q[kMeetLoads];
-#pragma unroll
-        for (int u = 0; u < kMeetLoads; ++u) {
-          q[u] = j0 + u < int(m) ? __ldcg(sample_sums + (j0 + u) * groups + k) : make_float2(0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < kMeetLoads; ++u) t.x += q[u].x, t.y += q[u].y;
-      }
-      finish(k, t);
-    }
-  }
-  __syncthreads();
-  JAXNORM_GN_CLUSTER_STAMP(5);
+  });
   const bool leaves = m > 1 && tid == 0;
   const unsigned before = leaves ? atomicAdd(ex.departed + n, 1u) : 0u;
   if (active) {
@@ -458,8 +541,12 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     // Streamed rows first, while L2 may still hold them; their y evict-first,
     // so as not to push them out.
     if constexpr (kStream) {
-      for_streamed_rows<X, V>(block, held, rows, sets, g.c, set, lane,
-                              [&](int r, const RegVec<X, V>& v) {
+      const X* row0 = block + lane * V;
+      for_rows_loaded(held + set, rows, sets, [&](int r) {
+        RegVec<X, V> v;
+        v.template load<true>(row0 + size_t(r) * g.c);
+        return v;
+      }, [&](int r, const RegVec<X, V>& v) {
         A o[V];
         y_of(v, o);
         store_vec<V, true>(out + size_t(r) * g.c, o);
@@ -474,16 +561,17 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     }
   }
   JAXNORM_GN_CLUSTER_STAMP(6);
-  if (leaves) reset_if_last(before, m * parts, ex.arrived + n, ex.departed + n);
+  if (leaves) reset_if_last(before, m * me.parts, ex.arrived + n, ex.departed + n);
   cluster_wait();  // no block leaves while another may read its sums
   JAXNORM_GN_CLUSTER_STAMP(7);
 }
 
-// How group_norm_cluster_fwd runs x (n, a, c): `parts` blocks a cluster
-// and args.clusters_per_sample clusters a sample, parts 0 where it does not
-// serve it.
+// How a cluster kernel (group_norm_cluster_fwd, or the backward's) runs x
+// (n, a, c): `parts` blocks a cluster and args.clusters_per_sample clusters
+// a sample, parts 0 where it does not serve it.
 struct ClusterGnPlan {
   int parts = 0;
+  int sums = 2;  // floats a group its meeting adds
   ClusterGnArgs args;
   size_t smem = 0;
   int64_t blocks(int64_t n) const { return n * args.clusters_per_sample * parts; }
@@ -492,7 +580,26 @@ struct ClusterGnPlan {
   size_t exchange_bytes(int64_t n) const {
     if (args.clusters_per_sample == 1) return 0;
     const int groups = args.c / args.group_size;
-    return size_t(n) * args.clusters_per_sample * groups * sizeof(float2);
+    return size_t(n) * args.clusters_per_sample * groups * sums * sizeof(float);
+  }
+};
+
+// What the plans below ask of a cluster kernel (Op): its dynamic shared
+// memory holding `held` rows a block (Op::smem), the bytes a held row takes
+// (Op::row_bytes), the clusters that run at once (Op::resident) and the
+// floats a group of its meeting (Op::kSums).
+template <typename X, typename Y, typename W, int V>
+struct ClusterGnFwd {
+  static constexpr int kSums = 2;
+  static size_t smem(int64_t held, int64_t c, int64_t group_size) {
+    return ClusterGnSmem::of(kClusterGnThreads, int(held), int(c), V, int(group_size), sizeof(X))
+        .total;
+  }
+  static size_t row_bytes(int64_t c) { return size_t(c) * sizeof(X); }
+  static int resident(size_t smem, int parts, bool streams, const DeviceInfo& dev) {
+    auto kernel = streams ? group_norm_cluster_fwd<X, Y, W, V, true>
+                          : group_norm_cluster_fwd<X, Y, W, V, false>;
+    return resident_clusters(kernel, kClusterGnThreads, smem, parts, dev);
   }
 };
 
@@ -500,9 +607,9 @@ struct ClusterGnPlan {
 // all its clusters run at once and its rows fit the blocks' shared memory;
 // or, where `stream`, with as many of each block's rows held there as fit
 // and the rest streamed.
-template <typename X, typename Y, typename W, int V>
-ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_size, int parts,
-                               int clusters, const DeviceInfo& dev, bool stream = false) {
+template <typename Op, int V>
+ClusterGnPlan cluster_shape(int64_t n, int64_t a, int64_t c, int64_t group_size, int parts,
+                            int clusters, const DeviceInfo& dev, bool stream = false) {
   ClusterGnPlan plan;
   const int64_t blocks = int64_t(parts) * clusters;
   const int64_t rows = (a + blocks - 1) / blocks;
@@ -510,24 +617,18 @@ ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_si
       rows > std::numeric_limits<int>::max()) {
     return plan;
   }
-  const auto smem_of = [&](int64_t held) {
-    return ClusterGnSmem::of(kClusterGnThreads, int(held), int(c), V, int(group_size), sizeof(X))
-        .total;
-  };
-  const size_t fixed = smem_of(0), row_bytes = size_t(c) * sizeof(X);
+  const size_t fixed = Op::smem(0, c, group_size), row_bytes = Op::row_bytes(c);
   if (fixed + row_bytes > dev.max_dynamic_smem) return plan;
   const int64_t fit = int64_t((dev.max_dynamic_smem - fixed) / row_bytes);
   if (rows > fit && !stream) return plan;
   // Streaming, the ring's stages take held_rows / kClusterGnStages rows each.
   const int64_t held = rows <= fit ? rows : fit - fit % kClusterGnStages;
   if (held < 1) return plan;
-  auto kernel = held < rows ? group_norm_cluster_fwd<X, Y, W, V, true>
-                            : group_norm_cluster_fwd<X, Y, W, V, false>;
-  if (n * clusters > resident_clusters(kernel, kClusterGnThreads, smem_of(held), parts, dev)) {
-    return plan;
-  }
+  const size_t smem = Op::smem(held, c, group_size);
+  if (n * clusters > Op::resident(smem, parts, held < rows, dev)) return plan;
   plan.parts = parts;
-  plan.smem = smem_of(held);
+  plan.sums = Op::kSums;
+  plan.smem = smem;
   plan.args.rows = a;
   plan.args.c = int(c);
   plan.args.group_size = int(group_size);
@@ -536,6 +637,13 @@ ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_si
   plan.args.held_rows = int(held);
   plan.args.stage_rows = int((held + kClusterGnStages - 1) / kClusterGnStages);
   return plan;
+}
+
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan cluster_gn_shape(int64_t n, int64_t a, int64_t c, int64_t group_size, int parts,
+                               int clusters, const DeviceInfo& dev, bool stream = false) {
+  return cluster_shape<ClusterGnFwd<X, Y, W, V>, V>(n, a, c, group_size, parts, clusters, dev,
+                                                    stream);
 }
 
 // The share of the SMs below which the passes stay faster.
@@ -548,12 +656,12 @@ constexpr double kClusterGnMinBusy = 0.45;
 // of the SMs, 0.94-1.00x with 12-24%, and 0.72-0.94x with two or three rounds
 // of 16 blocks (benchmarks/NOTES.md, v80). Of the cluster sizes that do,
 // the largest, whose blocks take the fewest rows.
-template <typename X, typename Y, typename W, int V>
-ClusterGnPlan plan_one_cluster_a_sample(int64_t n, int64_t a, int64_t c, int64_t group_size,
-                                        const DeviceInfo& dev) {
+template <typename Op, int V>
+ClusterGnPlan one_cluster_a_sample(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                                   const DeviceInfo& dev) {
   for (int parts = kMaxWideClusterParts; parts >= 1; --parts) {
     if (double(n * parts) < kClusterGnMinBusy * dev.sms) break;
-    const ClusterGnPlan plan = cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, 1, dev);
+    const ClusterGnPlan plan = cluster_shape<Op, V>(n, a, c, group_size, parts, 1, dev);
     if (plan.parts > 0) return plan;
   }
   return {};
@@ -567,21 +675,27 @@ constexpr int kMaxClustersASample = 16;
 // Of clusters of 16, 8, 4 or 2 blocks, each with the most clusters a sample
 // (at least `min_clusters`, up to kMaxClustersASample) that run at once, the
 // one with the most blocks: with `stream`, as many of their rows held as fit.
-template <typename X, typename Y, typename W, int V>
-ClusterGnPlan most_blocks(int64_t n, int64_t a, int64_t c, int64_t group_size, int min_clusters,
-                          bool stream, const DeviceInfo& dev) {
+template <typename Op, int V>
+ClusterGnPlan most_cluster_blocks(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                                  int min_clusters, bool stream, const DeviceInfo& dev) {
   ClusterGnPlan best;
   for (int parts : {16, 8, 4, 2}) {
     for (int m = kMaxClustersASample; m >= min_clusters; --m) {
       if (n * m * parts > dev.sms) continue;
-      const ClusterGnPlan plan =
-          cluster_gn_shape<X, Y, W, V>(n, a, c, group_size, parts, m, dev, stream);
+      const ClusterGnPlan plan = cluster_shape<Op, V>(n, a, c, group_size, parts, m, dev, stream);
       if (plan.parts == 0) continue;
       if (plan.blocks(n) > best.blocks(n)) best = plan;
       break;
     }
   }
   return best;
+}
+
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan most_blocks(int64_t n, int64_t a, int64_t c, int64_t group_size, int min_clusters,
+                          bool stream, const DeviceInfo& dev) {
+  return most_cluster_blocks<ClusterGnFwd<X, Y, W, V>, V>(n, a, c, group_size, min_clusters,
+                                                          stream, dev);
 }
 
 // A single sample spreads over the SMs, and a plan streams, where the sample
@@ -605,23 +719,29 @@ constexpr double kMinHeldShare = 0.25;
 // as well (v87). Where x is more than the SMs' shared memory holds, the plan
 // of the most blocks holds what fits and streams the rest, which it reads
 // again for y (v87).
-template <typename X, typename Y, typename W, int V>
-ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
-                              const DeviceInfo& dev) {
-  ClusterGnPlan best = plan_one_cluster_a_sample<X, Y, W, V>(n, a, c, group_size, dev);
+template <typename Op, int V>
+ClusterGnPlan plan_clusters(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                            const DeviceInfo& dev) {
+  ClusterGnPlan best = one_cluster_a_sample<Op, V>(n, a, c, group_size, dev);
   if (best.parts > 0) return best;
   const bool few_groups = c / group_size <= kMaxGroupsSpread;
   if (n >= 2 || few_groups) {
-    best = most_blocks<X, Y, W, V>(n, a, c, group_size, 2, false, dev);
+    best = most_cluster_blocks<Op, V>(n, a, c, group_size, 2, false, dev);
     if (double(best.blocks(n)) >= kClusterGnMinBusy * dev.sms) return best;
   }
-  best = most_blocks<X, Y, W, V>(n, a, c, group_size, 1, true, dev);
+  best = most_cluster_blocks<Op, V>(n, a, c, group_size, 1, true, dev);
   const ClusterGnArgs& g = best.args;
   if (!few_groups || best.parts == 0 || !best.streams() ||
       g.held_rows < kMinHeldShare * g.rows_per_block) {
     return {};
   }
   return best;
+}
+
+template <typename X, typename Y, typename W, int V>
+ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_size,
+                              const DeviceInfo& dev) {
+  return plan_clusters<ClusterGnFwd<X, Y, W, V>, V>(n, a, c, group_size, dev);
 }
 
 // ClusterGnExchange's counters for launches on `stream`, arrived then
@@ -650,28 +770,41 @@ inline unsigned* meeting_counters(const DeviceInfo& dev, cudaStream_t stream) {
   return counters;
 }
 
-// Runs `plan` (x: n samples); `sums` holds plan.exchange_bytes(n) and
-// `counters` are meeting_counters' where the plan spreads a sample. Several
+// The launch of `plan` (x: n samples), in its clusters (attrs: two). Several
 // clusters a sample wait for each other, so their launch is cooperative: the
 // runtime refuses it rather than run them in turns.
+inline cudaLaunchConfig_t cluster_gn_config(const ClusterGnPlan& plan, int64_t n,
+                                            cudaStream_t stream, cudaLaunchAttribute (&attrs)[2]) {
+  cudaLaunchConfig_t config = cluster_config(unsigned(plan.blocks(n)), kClusterGnThreads,
+                                             plan.smem, plan.parts, stream, attrs[0]);
+  if (plan.args.clusters_per_sample > 1) {
+    attrs[1].id = cudaLaunchAttributeCooperative;
+    attrs[1].val.cooperative = 1;
+    config.numAttrs = 2;
+  }
+  return config;
+}
+
+// Where a plan spreads a sample, its meeting: `sums` of plan.exchange_bytes(n)
+// and meeting_counters' `counters`.
+inline ClusterGnExchange cluster_gn_exchange(const ClusterGnPlan& plan, void* sums,
+                                             unsigned* counters, const DeviceInfo& dev) {
+  if (plan.args.clusters_per_sample == 1) return {};
+  return {sums, counters, counters + dev.sms};
+}
+
+// Runs `plan` (x: n samples); `sums` and `counters` as cluster_gn_exchange.
 template <typename X, typename Y, typename W, int V>
 cudaError_t launch_cluster_gn(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
                               const X* x, ChannelParams<W> p, void* sums, unsigned* counters,
                               const DeviceInfo& dev, float* mean, float* var, Y* y) {
   auto kernel = plan.streams() ? group_norm_cluster_fwd<X, Y, W, V, true>
                                : group_norm_cluster_fwd<X, Y, W, V, false>;
-  const int m = plan.args.clusters_per_sample;
-  ClusterGnExchange ex;
-  if (m > 1) ex = {static_cast<float2*>(sums), counters, counters + dev.sms};
   cudaLaunchAttribute attrs[2];
-  cudaLaunchConfig_t config = cluster_config(unsigned(plan.blocks(n)), kClusterGnThreads,
-                                             plan.smem, plan.parts, stream, attrs[0]);
-  if (m > 1) {
-    attrs[1].id = cudaLaunchAttributeCooperative;
-    attrs[1].val.cooperative = 1;
-    config.numAttrs = 2;
-  }
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, x, p, plan.args, ex, mean, var, y);
+  const cudaLaunchConfig_t config = cluster_gn_config(plan, n, stream, attrs);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, x, p, plan.args,
+                                             cluster_gn_exchange(plan, sums, counters, dev),
+                                             mean, var, y);
   if (err != cudaSuccess) cudaGetLastError();
   return err;
 }

@@ -666,6 +666,15 @@ struct BulkFill {
     bulk_load(x_at, x, bytes, &sh.full[s]);
     bulk_load(dy_at, dy, bytes, &sh.full[s]);
   }
+  // The same with an L2 policy (l2_policy); none of the bytes: the phase
+  // completes empty.
+  __device__ void fill(int s, void* x_at, const void* x, void* dy_at, const void* dy,
+                       uint32_t bytes, uint64_t policy) {
+    claim(s, 2 * bytes);
+    if (bytes == 0) return;
+    bulk_load(x_at, x, bytes, &sh.full[s], policy);
+    bulk_load(dy_at, dy, bytes, &sh.full[s], policy);
+  }
   // Thread 0: copies `bytes` (none: the phase completes empty) from src to
   // `at` in stage s, once it is empty, with an L2 policy (l2_policy).
   __device__ void fill(int s, void* at, const void* src, uint32_t bytes, uint64_t policy) {
