@@ -296,6 +296,7 @@ __device__ __forceinline__ void block_group_sums(float2* partial, const float (&
     }
   }
   __syncthreads();
+  JAXNORM_GN_CLUSTER_STAMP(2);
   sum_groups(partial, sets, sums_stride(c / per_lane), group_size / per_lane, c / group_size,
              out);
 }
@@ -510,7 +511,6 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       for (; r < end; r += sets) add(slice + size_t(r) * g.c + lane * V);
     }
   }
-  JAXNORM_GN_CLUSTER_STAMP(2);
   block_group_sums<V>(partial, s1, s2, active, set, lane, sets, g.c, g.group_size, block_sums);
   JAXNORM_GN_CLUSTER_STAMP(3);
   // Every block adds the cluster's sums in rank order, then the sample's
