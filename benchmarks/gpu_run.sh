@@ -13,7 +13,8 @@
 # SANITIZE_P at a time, from shard SANITIZE_FROM; "mbarrier", racecheck on
 # kernels/mbarrier_racecheck.cu's orderings alone; "channel_plans",
 # kernels/channel_plans.cu; "channel_probe", kernels/channel_probe.cu (and
-# its profile by Nsight Compute); "gn_cluster", kernels/gn_cluster.cu;
+# its profile by Nsight Compute); "gn_cluster", kernels/gn_cluster.cu (BWD=1:
+# its backward);
 # "lrn_lines", kernels/lrn_lines.cu; "softmax_lines",
 # kernels/softmax_lines.cu: these six and "plans" alone skip
 # the jaxnorm build); SKIP_BUILD=1 keeps an earlier

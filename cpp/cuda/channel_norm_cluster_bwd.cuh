@@ -119,6 +119,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   auto shift_of = [&](int k) {
     return kOwn ? to_acc(x[sample + int64_t(k) * g.group_size]) : mean[me.n * groups + k];
   };
+  JAXNORM_GN_CLUSTER_STAMP(0);
   const float first_shift = tid < groups ? shift_of(tid) : 0.0f;
   ring.init();
   if (tid == 0) {
@@ -131,6 +132,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     }
   }
   __syncthreads();  // the mbarriers' initialization, the shifts and statistics
+  JAXNORM_GN_CLUSTER_STAMP(1);
 
   // Per channel: the sums of d, d^2 (kOwn), dy and dy d, d = x - shift.
   A sh[V], s1[V], s2[V], sg[V], sgd[V];
@@ -202,6 +204,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   __syncthreads();
   sum_groups(wchan, 1, g.c, g.group_size, groups, scaled);
   __syncthreads();
+  JAXNORM_GN_CLUSTER_STAMP(3);
   for (int k = tid; k < groups; k += kClusterGnThreads) {
     if constexpr (kOwn) {
       meet[k] = Packed<float, 4>{{moments[k].x, moments[k].y, scaled[k].x, scaled[k].y}};
@@ -293,8 +296,10 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       store_vec<V>(out + size_t(r) * g.c, o);
     }
   }
+  JAXNORM_GN_CLUSTER_STAMP(6);
   if (leaves) reset_if_last(before, me.m * me.parts, ex.arrived + me.n, ex.departed + me.n);
   cluster_wait();  // no block leaves while another may read its shared memory
+  JAXNORM_GN_CLUSTER_STAMP(7);
 }
 
 // ClusterGnPlan's Op (cluster_shape) for the backward.
