@@ -250,7 +250,7 @@ def test_batches_that_fit_take_the_cluster_forward(tmp_path):
 
 
 # The backward in clusters (channel_norm_cluster_bwd.cuh, on an H100 or
-# H200; no activation, 256 channels or more): one cluster a sample, several
+# H200; no activation, 64 channels or more): one cluster a sample, several
 # meeting through global memory, rows streamed, one sample spread, blocks
 # without rows.
 CLUSTER_BWD_CASES = [
@@ -262,6 +262,8 @@ CLUSTER_BWD_CASES = [
     ((1, 32, 32, 1280), 32, jnp.bfloat16, 0.5),    # one sample spread
     ((8, 1, 5, 1280), 32, jnp.float32, 0.5),       # fewer rows than blocks
     ((16, 64, 64, 320), 32, jnp.bfloat16, 0.5),    # streamed, 8 blocks a cluster
+    ((4, 128, 128, 128), 32, jnp.bfloat16, 0.5),   # 4 channels a group, streamed
+    ((1, 512, 512, 64), 32, jnp.bfloat16, 0.5),    # one sample spread, streamed
 ]
 
 
@@ -309,8 +311,8 @@ def test_group_norm_backward_in_clusters(shape, groups, dtype, offset, y_alive):
 @_H100_OR_H200
 def test_batches_that_fit_take_the_cluster_backward(tmp_path):
     """The backward of CLUSTER_BWD_CASES' bf16 batches runs as one launch of
-    the cluster kernel (and param_grads), with y alive or dead; with SiLU, or
-    with 128 channels, the passes."""
+    the cluster kernel, dscale and dbias included (no param_grads), with y
+    alive or dead; with SiLU, or with 32 channels, the passes."""
     def names(shape, groups, act, y_alive, sub):
         x, dy = rand(70, shape, jnp.bfloat16), rand(71, shape, jnp.bfloat16)
         scale, bias = params(72, shape[-1], jnp.float32)
@@ -328,7 +330,8 @@ def test_batches_that_fit_take_the_cluster_backward(tmp_path):
             if dtype == jnp.bfloat16:
                 got = names(shape, groups, None, y_alive, f"{i}{y_alive}")
                 assert clusters(got) and not passes(got), (shape, y_alive, got)
-    for shape, act in [((8, 32, 32, 1280), "silu"), ((4, 128, 128, 128), None)]:
+                assert not any("param_grads" in k for k in got), (shape, y_alive, got)
+    for shape, act in [((8, 32, 32, 1280), "silu"), ((16, 64, 64, 32), None)]:
         got = names(shape, 32, act, True, f"{shape}{act}")
         assert passes(got) and not clusters(got), (shape, act, got)
 

@@ -15,7 +15,7 @@
 // BWD=1: the backward instead, as under jax.grad with y dead (statistics
 // computed, no activation): the cluster backward (channel_norm_cluster_bwd.cuh)
 // against the passes (tile_moments_sums, group_sums, apply_dx), both with
-// dscale and dbias; the differences are dx's.
+// dscale and dbias; the differences are dx's, dscale's and dbias'.
 //
 // Build as channel_probe.cu (benchmarks/prebuild.sh).
 #include <algorithm>
@@ -160,8 +160,10 @@ int main() {
       float *partial, *chan, *mean, *var, *mean2, *var2, *scale, *bias, *coef, *own;
       for (bf16** q : {&x, &y, &y2, &dy}) CHECK(cudaMalloc(q, bytes));
       // the passes' merges, or the backward's sums a sample and channel (2)
-      // or a cluster and channel (2, kMaxClustersASample clusters a sample)
-      CHECK(cudaMalloc(&chan, n * k.c * 2 * kMaxClustersASample * sizeof(float)));
+      // or a cluster and channel (2): the plans timed take up to dev.sms
+      // clusters in all, more than kMaxClustersASample a sample
+      const int64_t clusters = std::max<int64_t>(n * kMaxClustersASample, dev.sms);
+      CHECK(cudaMalloc(&chan, clusters * k.c * 2 * sizeof(float)));
       for (float** q : {&coef, &own}) CHECK(cudaMalloc(q, n * k.c * 5 * sizeof(float)));
       for (float** q : {&mean, &var, &mean2, &var2}) {
         CHECK(cudaMalloc(q, std::max(n * groups, k.c) * sizeof(float)));
@@ -243,18 +245,15 @@ int main() {
                                std::to_string(plan.parts) + ":" + std::to_string(m) +
                                (held < 100 ? ":" + std::to_string(held) : "");
         if (only && id != only) continue;
-        // One call: the cluster kernel (and, BWD, param_grads over its clusters' sums).
+        // One call: the cluster kernel (BWD: with dscale in mean2, dbias in var2).
         auto launch = [&] {
           if (!bwd) {
             return launch_cluster_gn<bf16, bf16, float, V>(s, plan, n, x, p, exchange, counters,
                                                            dev, mean2, var2, y2);
           }
-          const cudaError_t err = launch_cluster_gn_bwd<bf16, float, V, true>(
-              s, plan, n, x, dy, p, nullptr, nullptr, exchange, counters, dev, chan, y2);
-          const ParamGrads<float, float> grads{chan, n * m, k.c, mean2, var2};
-          param_grads<float, float><<<(k.c + kChannelThreads - 1) / kChannelThreads,
-                                      kChannelThreads, 0, s>>>(grads);
-          return err;
+          return launch_cluster_gn_bwd<bf16, float, V, true>(
+              s, plan, n, x, dy, p, nullptr, nullptr, exchange, counters, dev, chan, mean2, var2,
+              y2);
         };
         auto cluster = [&] { CHECK(launch()); };
         RelativeError ey, em, ev;

@@ -62,14 +62,14 @@ ffi::Error layout_error(const ChannelNormShape& s) {
       std::to_string(s.b));
 }
 
-// A cluster plan's meeting where it spreads a sample: the counters and the
-// clusters' sums (scratch); without counters the plan is dropped (parts 0:
-// the passes instead).
+// A cluster plan's meetings where it spreads a sample, or where its grid
+// meets (`grid_meets`): the counters and the clusters' sums (scratch);
+// without counters the plan is dropped (parts 0: the passes instead).
 ffi::Error cluster_meeting(cudaStream_t stream, const DeviceInfo& dev,
                            ffi::ScratchAllocator& scratch, int64_t n, ClusterGnPlan& plan,
-                           float** sums, unsigned** counters) {
+                           float** sums, unsigned** counters, bool grid_meets = false) {
   *counters = nullptr;
-  if (plan.args.clusters_per_sample > 1) {
+  if (plan.parts > 0 && (plan.args.clusters_per_sample > 1 || grid_meets)) {
     *counters = meeting_counters(dev, stream);
     if (*counters == nullptr) plan = {};
   }
@@ -159,14 +159,15 @@ ffi::Error channel_norm_fwd_impl(cudaStream_t stream, int32_t device,
   });
 }
 
-// Where the cluster backward runs (H200, bf16, benchmarks/NOTES.md v92):
-// it beat the passes at 320 and 1280 channels and lost at 64 and 128.
-constexpr int64_t kClusterBwdMinChannels = 256;
+// Where the cluster backward runs (H200, bf16, benchmarks/NOTES.md): it beat
+// the passes at 320 and 1280 channels (v92), and at 64 and 128 once the grid
+// wrote dscale and dbias itself (v93: 1x512x512x64 50.0 -> 46.8 us,
+// 4x128x128x128 27.2 -> 25.4); fewer channels were not measured.
+constexpr int64_t kClusterBwdMinChannels = 64;
 
 // The backward without an activation in one launch of the cluster kernel
-// and one of param_grads (channel_norm_cluster_bwd.cuh), where plan_clusters
-// finds a plan for it: `done` says whether it ran. kOwn: the statistics
-// computed.
+// (channel_norm_cluster_bwd.cuh), where plan_clusters finds a plan for it:
+// `done` says whether it ran. kOwn: the statistics computed.
 template <typename X, typename W, int V, bool kOwn>
 ffi::Error cluster_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                        const ChannelNormShape& s, double epsilon, const X* x,
@@ -174,29 +175,25 @@ ffi::Error cluster_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchA
                        X* dx, W* dscale, W* dbias, bool* done) {
   ClusterGnPlan plan =
       plan_clusters<ClusterGnBwd<X, W, V, kOwn>, V>(s.n, s.a, s.c, s.group_size, dev);
+  const bool grads = dscale || dbias;
   float* sums = nullptr;
   unsigned* counters = nullptr;
-  JAXNORM_RETURN_IF_ERROR(cluster_meeting(stream, dev, scratch, s.n, plan, &sums, &counters));
+  JAXNORM_RETURN_IF_ERROR(
+      cluster_meeting(stream, dev, scratch, s.n, plan, &sums, &counters, grads));
   *done = plan.parts > 0;
   if (!*done) return ffi::Error::Success();
   plan.args.epsilon = epsilon;
   // Each cluster's sums of its channels' dscale and dbias, added over the
-  // clusters by param_grads.
-  const ParamGrads<float, W> grads{nullptr, s.n * plan.args.clusters_per_sample, s.c, dscale,
-                                   dbias};
+  // clusters by the grid.
   float* chan = nullptr;
-  if (dscale || dbias) JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, grads.n * s.c * 2, &chan));
-  JAXNORM_RETURN_IF_ERROR(cuda_error(
-      launch_cluster_gn_bwd<X, W, V, kOwn>(stream, plan, s.n, x, dy, p, mean, var, sums,
-                                           counters, dev, chan, dx),
-      "channel_norm_bwd (clusters)"));
-  if (chan) {
-    ParamGrads<float, W> with_chan = grads;
-    with_chan.chan = chan;
-    param_grads<float, W><<<(s.c + kChannelThreads - 1) / kChannelThreads, kChannelThreads, 0,
-                            stream>>>(with_chan);
+  if (grads) {
+    const int64_t clusters = s.n * plan.args.clusters_per_sample;
+    JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, clusters * s.c * 2, &chan));
   }
-  return last_launch_error("channel_norm_bwd (clusters)");
+  return cuda_error(launch_cluster_gn_bwd<X, W, V, kOwn>(stream, plan, s.n, x, dy, p, mean, var,
+                                                         sums, counters, dev, chan, dscale,
+                                                         dbias, dx),
+                    "channel_norm_bwd (clusters)");
 }
 
 // The backward's passes (channel_norm_kernels.cuh): the tiles' sums (with

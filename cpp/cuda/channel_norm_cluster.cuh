@@ -135,12 +135,36 @@ __device__ __forceinline__ void add_to(Packed<float, K>& t, const Packed<float, 
 // Where the clusters of a sample meet (clusters_per_sample > 1): each
 // cluster's group sums (N, clusters_per_sample, G), and per sample the
 // clusters that have published theirs and the blocks done waiting for them
-// (N each; zero at the launch, left at zero by it: meeting_counters).
+// (N each; zero at the launch, left at zero by it: meeting_counters). Where
+// the whole grid meets (the backward's dscale and dbias), the blocks that
+// have published their part and those done waiting for the others (one
+// each, kept the same way).
 struct ClusterGnExchange {
   void* sums = nullptr;  // Packed<float, K> a group
   unsigned* arrived = nullptr;
   unsigned* departed = nullptr;
+  unsigned* grid_arrived = nullptr;
+  unsigned* grid_departed = nullptr;
 };
+
+// Thread 0, after a barrier that orders its block's writes before it: counts
+// the block (or its cluster) in, releasing those writes.
+__device__ __forceinline__ void count_in(unsigned* arrived) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
+#endif
+}
+
+// Thread 0: waits until `expected` have counted themselves in; what they
+// wrote before is then visible to the block after a barrier.
+__device__ __forceinline__ void wait_for_count(const unsigned* arrived, unsigned expected) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned seen = 0;
+  do {
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
+  } while (seen < expected);
+#endif
+}
 
 // Waits until `expected` clusters have counted themselves in at `arrived`,
 // counting this block's cluster in first where `arrive`: the block's earlier
@@ -151,13 +175,8 @@ __device__ __forceinline__ void arrive_and_wait(unsigned* arrived, unsigned expe
                                                 bool arrive) {
   __syncthreads();  // the block's writes of its cluster's sums
   if (threadIdx.x == 0) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-    if (arrive) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(arrived) : "memory");
-    unsigned seen = 0;
-    do {
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(arrived) : "memory");
-    } while (seen < expected);
-#endif
+    if (arrive) count_in(arrived);
+    wait_for_count(arrived, expected);
   }
   __syncthreads();
 }
@@ -745,10 +764,11 @@ ClusterGnPlan plan_cluster_gn(int64_t n, int64_t a, int64_t c, int64_t group_siz
 }
 
 // ClusterGnExchange's counters for launches on `stream`, arrived then
-// departed, dev.sms of each (a sample spread takes 4 SMs or more), zero, or
-// null where they cannot be allocated. Each launch leaves them at zero, and a
-// stream runs one launch at a time, so they are allocated once per device
-// and stream; their zeroing is ordered on the stream.
+// departed, dev.sms of each (a sample spread takes 4 SMs or more), then the
+// grid's two, zero, or null where they cannot be allocated. Each launch
+// leaves them at zero, and a stream runs one launch at a time, so they are
+// allocated once per device and stream; their zeroing is ordered on the
+// stream.
 inline unsigned* meeting_counters(const DeviceInfo& dev, cudaStream_t stream) {
   static std::mutex mu;
   static std::map<std::pair<int, cudaStream_t>, unsigned*> known;
@@ -757,7 +777,7 @@ inline unsigned* meeting_counters(const DeviceInfo& dev, cudaStream_t stream) {
   if (counters != nullptr) return counters;
   int current = 0;
   void* p = nullptr;
-  const size_t bytes = 2 * size_t(dev.sms) * sizeof(unsigned);
+  const size_t bytes = (2 * size_t(dev.sms) + 2) * sizeof(unsigned);
   if (cudaGetDevice(&current) == cudaSuccess && cudaSetDevice(dev.device) == cudaSuccess &&
       cudaMalloc(&p, bytes) == cudaSuccess &&
       cudaMemsetAsync(p, 0, bytes, stream) == cudaSuccess) {
@@ -771,13 +791,15 @@ inline unsigned* meeting_counters(const DeviceInfo& dev, cudaStream_t stream) {
 }
 
 // The launch of `plan` (x: n samples), in its clusters (attrs: two). Several
-// clusters a sample wait for each other, so their launch is cooperative: the
-// runtime refuses it rather than run them in turns.
+// clusters a sample wait for each other, and where `grid_meets` every block
+// for every other, so their launch is cooperative: the runtime refuses it
+// rather than run them in turns.
 inline cudaLaunchConfig_t cluster_gn_config(const ClusterGnPlan& plan, int64_t n,
-                                            cudaStream_t stream, cudaLaunchAttribute (&attrs)[2]) {
+                                            cudaStream_t stream, cudaLaunchAttribute (&attrs)[2],
+                                            bool grid_meets = false) {
   cudaLaunchConfig_t config = cluster_config(unsigned(plan.blocks(n)), kClusterGnThreads,
                                              plan.smem, plan.parts, stream, attrs[0]);
-  if (plan.args.clusters_per_sample > 1) {
+  if (plan.args.clusters_per_sample > 1 || grid_meets) {
     attrs[1].id = cudaLaunchAttributeCooperative;
     attrs[1].val.cooperative = 1;
     config.numAttrs = 2;
@@ -785,12 +807,14 @@ inline cudaLaunchConfig_t cluster_gn_config(const ClusterGnPlan& plan, int64_t n
   return config;
 }
 
-// Where a plan spreads a sample, its meeting: `sums` of plan.exchange_bytes(n)
-// and meeting_counters' `counters`.
+// The meetings of a launch: where a plan spreads a sample, `sums` of
+// plan.exchange_bytes(n); meeting_counters' `counters`, where given (a plan
+// that spreads a sample, or a grid that meets).
 inline ClusterGnExchange cluster_gn_exchange(const ClusterGnPlan& plan, void* sums,
                                              unsigned* counters, const DeviceInfo& dev) {
-  if (plan.args.clusters_per_sample == 1) return {};
-  return {sums, counters, counters + dev.sms};
+  if (counters == nullptr) return {};
+  return {plan.args.clusters_per_sample > 1 ? sums : nullptr, counters, counters + dev.sms,
+          counters + 2 * dev.sms, counters + 2 * dev.sms + 1};
 }
 
 // Runs `plan` (x: n samples); `sums` and `counters` as cluster_gn_exchange.

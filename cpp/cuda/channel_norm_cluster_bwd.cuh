@@ -13,33 +13,54 @@
 //   x, from which the mean and the sums about it follow.
 // A channel's dscale and dbias are its rows' sums of dy (x - mean) rstd and
 // dy; each cluster adds its blocks' (through distributed shared memory, in
-// rank order) and writes them per cluster, and param_grads adds the
-// clusters' in order: the same bits from run to run. No activation: with
-// SiLU's derivative, twice an element, the kernel lost to the passes
-// (benchmarks/NOTES.md v92).
+// rank order) and writes them per cluster, and once every block has, the
+// grid adds the clusters' (GridGrads): the same bits from run to run.
+// A launch of param_grads for that took 3.2 us at 8x32x32x1280; the grid's
+// blocks, all resident, meet while they write dx (benchmarks/NOTES.md v93).
+// No activation: with SiLU's derivative, twice an element, the kernel lost
+// to the passes (v92).
 #pragma once
 
 #include "cuda/channel_norm_cluster.cuh"
 
 namespace jaxnorm::cuda {
 
+// A row set's float2s in the threads' sums of dy and dy d a channel: entry
+// e of lane l at e * (lanes + 4) + l, so that a warp's store of its lanes'
+// entry e is contiguous (lane-major, l * V + e, it was a 16-way bank
+// conflict, 8 stores a thread), and the reads a channel a thread touch each
+// bank at most twice.
+__host__ __device__ inline int lane_sums_stride(int lanes) { return lanes + 4; }
+__host__ __device__ inline int lane_sums_at(int c, int vec, int lanes) {
+  return c % vec * lane_sums_stride(lanes) + c / vec;
+}
+// The float2s a row set takes in either layout.
+__host__ __device__ inline int bwd_set_stride(int c, int vec) {
+  const int moments = sums_stride(c), lane_major = vec * lane_sums_stride(c / vec);
+  return moments > lane_major ? moments : lane_major;
+}
+
 // The dynamic shared memory of a backward launch: the block's held rows of
 // x, then of dy (stage s of the ring at s * stage_rows in each); the
-// threads' sums (a float2 a row set and channel); the block's per-channel
+// threads' sums (a float2 a row set and channel; block_group_sums' layout,
+// then lane_sums_at's); the block's per-channel
 // sums and those times the channel's scale (a float2 a channel each); the
 // block's group sums of x's moments and of the scaled channel sums (a float2
 // a group each), the meeting's K floats a group, and per group dx's terms
-// (float4), the statistics (mean, rstd: float2) and the shift (float).
+// (float4), the statistics (mean, rstd: float2) and the shift (float); the
+// scale (a float a channel), loaded with the shifts: read from global memory
+// where the sums and dx's terms need it, a channel a thread, it took a trip
+// to L2 or three in the meeting's critical path.
 struct ClusterGnBwdSmem {
   size_t dy = 0, partial = 0, chan = 0, wchan = 0, moments = 0, scaled = 0, meet = 0, terms = 0,
-         stats = 0, shift = 0, total = 0;
+         stats = 0, shift = 0, scale = 0, total = 0;
   __host__ __device__ static ClusterGnBwdSmem of(int threads, int held_rows, int c, int vec,
                                                  int group_size, size_t x_bytes) {
     ClusterGnBwdSmem s;
     const int sets = threads / (c / vec), groups = c / group_size;
     s.dy = size_t(held_rows) * c * x_bytes;  // a multiple of 16: c % vec == 0
     s.partial = 2 * s.dy;
-    s.chan = s.partial + size_t(sets) * sums_stride(c) * sizeof(float2);
+    s.chan = s.partial + size_t(sets) * bwd_set_stride(c, vec) * sizeof(float2);
     s.wchan = s.chan + size_t(c) * sizeof(float2);
     s.moments = s.wchan + size_t(c) * sizeof(float2);
     s.scaled = s.moments + size_t(groups) * sizeof(float2);
@@ -47,7 +68,8 @@ struct ClusterGnBwdSmem {
     s.terms = s.meet + size_t(groups) * sizeof(float4);
     s.stats = s.terms + size_t(groups) * sizeof(float4);
     s.shift = s.stats + size_t(groups) * sizeof(float2);
-    s.total = s.shift + size_t(groups) * sizeof(float);
+    s.scale = s.shift + size_t(groups) * sizeof(float);
+    s.total = s.scale + size_t(c) * sizeof(float);
     return s;
   }
 };
@@ -68,16 +90,81 @@ struct DxTerms {
 // of 16-bit channels); at 8 the kernel spilled (128 registers).
 constexpr int kStreamPairLoads = 4;
 
-// dx (n, a, c) and, where chan_out, each cluster's sums of its channels
-// (dbias, dscale) at chan_out[((n * m + sub) * c + channel) * 2], from x and
-// dy (n, a, c) channels-last and the statistics (mean, var: (n, G); kOwn:
-// computed). A thread takes a vector of V channels (lane) in
-// every `sets`-th row of its block's rows, as group_norm_cluster_fwd.
+// A warp's share of dscale and dbias: channels ch, ch + step, ... (ch: the
+// warp's index in the grid, step: the grid's warps), each the sum of
+// `clusters` float2s of chan (every cluster's sums of its channels, dbias's
+// then dscale's), once every block has written its part (`arrived` at
+// `expected`). Its lanes take every 32nd cluster and add their sums as a
+// butterfly, so a channel's bits do not change from run to run. start()
+// issues the loads of the first channel (all of them, up to 32 kGridSumLoads
+// clusters) where the warp still has dx to write, so that their trip to L2
+// passes meanwhile; finish() adds and writes. Every lane of the warp calls
+// both.
+constexpr int kGridSumLoads = 4;
+template <typename W>
+struct GridGrads {
+  const Packed<float, 2>* sums;
+  int clusters, c, ch, step;
+  const unsigned* arrived;
+  unsigned expected;
+  bool ready = false;
+  Packed<float, 2> q[kGridSumLoads];
+
+  __device__ GridGrads(const float* chan, int clusters_, int c_, const unsigned* arrived_,
+                       unsigned expected_)
+      : sums(reinterpret_cast<const Packed<float, 2>*>(chan)),
+        clusters(clusters_),
+        c(c_),
+        ch(int(blockIdx.x * blockDim.x + threadIdx.x) / 32),
+        step(int(gridDim.x * blockDim.x) / 32),
+        arrived(arrived_),
+        expected(expected_) {}
+  __device__ void wait() {
+    if (ready) return;
+    if (threadIdx.x % 32 == 0) wait_for_count(arrived, expected);
+    __syncwarp();  // lane 0's acquire, before the other lanes' loads
+    ready = true;
+  }
+  __device__ void load(int channel, int j0) {
+    wait();
+#pragma unroll
+    for (int u = 0; u < kGridSumLoads; ++u) {
+      const int j = j0 + int(threadIdx.x % 32) + 32 * u;
+      q[u] = j < clusters ? load_cg<2>(sums + int64_t(j) * c + channel) : Packed<float, 2>{};
+    }
+  }
+  __device__ void start() {
+    if (ch < c) load(ch, 0);
+  }
+  __device__ void finish(W* dscale, W* dbias) {
+    for (int channel = ch; channel < c; channel += step) {
+      float t[2] = {0.0f, 0.0f};
+      for (int j0 = 0; j0 < clusters; j0 += 32 * kGridSumLoads) {
+        if (channel != ch || j0 > 0) load(channel, j0);
+#pragma unroll
+        for (int u = 0; u < kGridSumLoads; ++u) t[0] += q[u].v[0], t[1] += q[u].v[1];
+      }
+      warp_sum(t);
+      if (threadIdx.x % 32 == 0) {
+        if (dbias) dbias[channel] = from_acc<W>(t[0]);
+        if (dscale) dscale[channel] = from_acc<W>(t[1]);
+      }
+    }
+  }
+};
+
+// dx (n, a, c) and, where dscale or dbias (c each) is asked for, those, by
+// way of each cluster's sums of its channels (dbias, dscale) at
+// chan_out[((n * m + sub) * c + channel) * 2] and the grid's meeting
+// (ex.grid_arrived, a cooperative launch); from x and dy (n, a, c)
+// channels-last and the statistics (mean, var: (n, G); kOwn: computed). A
+// thread takes a vector of V channels (lane) in every `sets`-th row of its
+// block's rows, as group_norm_cluster_fwd.
 template <typename X, typename W, int V, bool kOwn>
 __global__ void __launch_bounds__(kClusterGnThreads, 1)
     group_norm_cluster_bwd(const X* x, const X* dy, ChannelParams<W> p, const float* mean,
                            const float* var, ClusterGnArgs g, ClusterGnExchange ex,
-                           float* chan_out, X* dx) {
+                           float* chan_out, W* dscale, W* dbias, X* dx) {
   static_assert(sizeof(acc_t<X>) == 4 && V * sizeof(X) == 16);
   using A = float;
   constexpr int K = kOwn ? 4 : 2;
@@ -98,6 +185,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   auto* stats = reinterpret_cast<float2*>(dyn + at.stats);
   auto* terms = reinterpret_cast<float4*>(dyn + at.terms);
   auto* shift = reinterpret_cast<float*>(dyn + at.shift);
+  auto* scale = reinterpret_cast<float*>(dyn + at.scale);
 
   const ClusterBlock me(g);
   const int64_t sample = me.n * g.rows * g.c, first = sample + me.first_row * g.c;
@@ -121,9 +209,20 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   };
   JAXNORM_GN_CLUSTER_STAMP(0);
   const float first_shift = tid < groups ? shift_of(tid) : 0.0f;
+  A w[V];  // channels tid, tid + kClusterGnThreads, ... (c <= V kClusterGnThreads)
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int c = tid + i * kClusterGnThreads;
+    w[i] = c < g.c ? p.template w<A>(c) : A(0);
+  }
   ring.init();
   if (tid == 0) {
     for (int j = 0; j < kClusterGnStages; ++j) fill(j);
+  }
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int c = tid + i * kClusterGnThreads;
+    if (c < g.c) scale[c] = w[i];
   }
   for (int k = tid; k < groups; k += kClusterGnThreads) {
     shift[k] = k == tid ? first_shift : shift_of(k);
@@ -188,16 +287,17 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     block_group_sums<V>(partial, s1, s2, active, set, lane, sets, g.c, g.group_size, moments);
     __syncthreads();  // sum_groups' reads of partial, rewritten below
   }
+  const int set_sums = bwd_set_stride(g.c, V);
   if (active) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      partial[set * sums_stride(g.c) + lane * V + e] = make_float2(sg[e], sgd[e]);
+      partial[set * set_sums + e * lane_sums_stride(lanes) + lane] = make_float2(sg[e], sgd[e]);
     }
   }
   __syncthreads();
   for (int c = tid; c < g.c; c += kClusterGnThreads) {
-    const float2 t = sum_items(partial + c, sums_stride(g.c), 1, sets, 0, 1);
-    const A wc = p.template w<A>(c);
+    const float2 t = sum_items(partial + lane_sums_at(c, V, lanes), set_sums, 1, sets, 0, 1);
+    const A wc = scale[c];
     chan[c] = t;
     wchan[c] = make_float2(wc * t.x, wc * t.y);
   }
@@ -233,7 +333,8 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   });
   // dscale and dbias: the cluster's sums of a channel's, every parts-th
   // channel a block, in rank order.
-  if (chan_out) {
+  const bool grads = dscale || dbias;
+  if (grads) {
     for (int c = int(me.rank) + tid * int(me.parts); c < g.c;
          c += kClusterGnThreads * int(me.parts)) {
       // Every block's loads in flight at once (one at a time, a round trip
@@ -253,26 +354,29 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       float* out = chan_out + ((me.n * me.m + me.sub) * g.c + c) * 2;
       out[0] = t.v[0], out[1] = stats[k].y * (t.v[1] - moved * t.v[0]);
     }
+    __syncthreads();  // the block's part of chan_out, released to the grid
+    if (tid == 0) count_in(ex.grid_arrived);
   }
   cluster_arrive_relaxed();  // this block's reads of the others' shared memory are done
   const bool leaves = me.m > 1 && tid == 0;
   const unsigned before = leaves ? atomicAdd(ex.departed + me.n, 1u) : 0u;
 
+  GridGrads<W> grid(chan_out, int(gridDim.x / me.parts), g.c, ex.grid_arrived, gridDim.x);
+  DxTerms k[V];
+  X* out = dx + first + lane * V;
+  auto dx_of = [&](const RegVec<X, V>& xv, const RegVec<X, V>& gv, A (&o)[V]) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) o[e] = k[e].dx(xv.get(e), gv.get(e));
+  };
   if (active) {
-    DxTerms k[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const int gk = (lane * V + e) / g.group_size;
       const float2 st = stats[gk];  // mean, rstd
       const float4 tm = terms[gk];  // mean_g, mean_gx
-      const A a = st.y * p.template w<A>(lane * V + e), k_x = -st.y * st.y * tm.y;
-      k[e] = {a, k_x, -st.y * tm.x - k_x * st.x};
+      const A k_x = -st.y * st.y * tm.y;
+      k[e] = {st.y * scale[lane * V + e], k_x, -st.y * tm.x - k_x * st.x};
     }
-    X* out = dx + first + lane * V;
-    auto dx_of = [&](const RegVec<X, V>& xv, const RegVec<X, V>& gv, A (&o)[V]) {
-#pragma unroll
-      for (int e = 0; e < V; ++e) o[e] = k[e].dx(xv.get(e), gv.get(e));
-    };
     // Streamed rows first, while L2 holds them: their last reads and dx
     // evict-first.
     const X* x0 = x + first + lane * V;
@@ -287,6 +391,9 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
       dx_of(v.x, v.dy, o);
       store_vec<V, true>(out + size_t(r) * g.c, o);
     });
+  }
+  if (grads) grid.start();
+  if (active) {
     for (int r = set; r < me.held; r += sets) {
       RegVec<X, V> xv, gv;
       xv.load_shared(reinterpret_cast<const uint4*>(slice_x + size_t(r) * g.c + lane * V));
@@ -298,6 +405,14 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   }
   JAXNORM_GN_CLUSTER_STAMP(6);
   if (leaves) reset_if_last(before, me.m * me.parts, ex.arrived + me.n, ex.departed + me.n);
+  if (grads) {
+    grid.finish(dscale, dbias);
+    __syncthreads();  // the block's warps are done waiting for the grid
+    if (tid == 0) {
+      reset_if_last(atomicAdd(ex.grid_departed, 1u), gridDim.x, ex.grid_arrived,
+                    ex.grid_departed);
+    }
+  }
   cluster_wait();  // no block leaves while another may read its shared memory
   JAXNORM_GN_CLUSTER_STAMP(7);
 }
@@ -319,19 +434,22 @@ struct ClusterGnBwd {
 };
 
 // Runs `plan` (from plan_clusters<ClusterGnBwd<X, W, V, kOwn>>; x: n
-// samples); `sums` and `counters` as cluster_gn_exchange; chan_out (n *
-// clusters_per_sample * c * 2 floats) where dscale or dbias is asked for.
+// samples); `sums` and `counters` as cluster_gn_exchange (counters also
+// where dscale or dbias is asked for: the grid meets); chan_out (n *
+// clusters_per_sample * c * 2 floats) where dscale or dbias is.
 template <typename X, typename W, int V, bool kOwn>
 cudaError_t launch_cluster_gn_bwd(cudaStream_t stream, const ClusterGnPlan& plan, int64_t n,
                                   const X* x, const X* dy, ChannelParams<W> p,
                                   const float* mean, const float* var, void* sums,
                                   unsigned* counters, const DeviceInfo& dev, float* chan_out,
-                                  X* dx) {
+                                  W* dscale, W* dbias, X* dx) {
+  const bool grads = dscale || dbias;
+  if (grads && (chan_out == nullptr || counters == nullptr)) return cudaErrorInvalidValue;
   cudaLaunchAttribute attrs[2];
-  const cudaLaunchConfig_t config = cluster_gn_config(plan, n, stream, attrs);
+  const cudaLaunchConfig_t config = cluster_gn_config(plan, n, stream, attrs, grads);
   const cudaError_t err = cudaLaunchKernelEx(
       &config, group_norm_cluster_bwd<X, W, V, kOwn>, x, dy, p, mean, var, plan.args,
-      cluster_gn_exchange(plan, sums, counters, dev), chan_out, dx);
+      cluster_gn_exchange(plan, sums, counters, dev), chan_out, dscale, dbias, dx);
   if (err != cudaSuccess) cudaGetLastError();
   return err;
 }
