@@ -57,16 +57,36 @@ struct ClusterGnArgs {
   Activation act = Activation::kNone;
 };
 
-// Where a group holds whole vectors a thread sums its V channels itself, so
-// that the block's sums take a float2 a lane and row set, not a channel.
-__host__ __device__ inline int sums_a_lane(int group_size, int vec) {
-  return group_size % vec == 0 ? vec : 1;
-}
-
 // The float2s a row set of the threads' sums takes: its `width` and 4 more,
 // so that consecutive sets start 8 banks apart (a width that is a multiple of
 // 16 put every set's entry k on the same banks: 8-way conflicts in sum_groups).
 __host__ __device__ inline int sums_stride(int width) { return width + 4; }
+
+// A thread's sums of each of its V channels (where a group does not hold
+// whole vectors) in a row set of the threads' sums: entry e of lane l at
+// e * (lanes + 4) + l, so that a warp's store of its lanes' entry e is
+// contiguous (at l * V + e, 64 bytes apart, it was a 16-way bank conflict,
+// V stores a thread: notes v93). A set takes V (lanes + 4) + 1 float2s, so
+// that consecutive sets start on other banks too.
+__host__ __device__ inline int lane_sums_stride(int lanes) { return lanes + 4; }
+template <int V>
+__host__ __device__ inline int lane_sums_at(int channel, int lanes) {
+  return channel % V * lane_sums_stride(lanes) + channel / V;
+}
+__host__ __device__ inline int lane_sums_set(int c, int vec) {
+  return vec * lane_sums_stride(c / vec) + 1;
+}
+
+// The float2s a row set of the threads' sums takes: where a group holds
+// whole vectors a thread adds its V channels itself, a float2 a lane; else a
+// float2 a channel, lane-major.
+__host__ __device__ inline int set_sums_stride(int c, int vec, int group_size) {
+  return group_size % vec == 0 ? sums_stride(c / vec) : lane_sums_set(c, vec);
+}
+
+// `bytes` of shared memory rounded up to 16, so that the next region starts
+// where a float4 may (the threads' sums may take an odd number of float2s).
+__host__ __device__ inline size_t round16(size_t bytes) { return (bytes + 15) / 16 * 16; }
 
 // The dynamic shared memory of a launch: the block's held rows of x, then the
 // threads' sums (a float2 a row set and lane or channel), the block's sums and
@@ -79,8 +99,8 @@ struct ClusterGnSmem {
     const int sets = threads / (c / vec), groups = c / group_size;
     s.slice = size_t(held_rows) * c * x_bytes;  // a multiple of 16: c % vec == 0
     s.partial = s.slice;
-    const int width = c / sums_a_lane(group_size, vec);
-    s.block_sums = s.partial + size_t(sets) * sums_stride(width) * sizeof(float2);
+    s.block_sums =
+        s.partial + round16(size_t(sets) * set_sums_stride(c, vec, group_size) * sizeof(float2));
     s.stats = s.block_sums + size_t(groups) * sizeof(float2);
     s.shift = s.stats + size_t(groups) * sizeof(float2);
     s.total = s.shift + size_t(groups) * sizeof(float);
@@ -191,14 +211,15 @@ __device__ __forceinline__ void reset_if_last(unsigned before, unsigned blocks,
 }
 
 // The sum of a group's items first, first + step, ... below `items`, in that
-// order: item i is entry i % per of row i / per (rows `stride` apart from
-// `group`), stepped without a division an item, kSumLoads loads in flight.
+// order: item i is entry(set, j), entry j = i % per of row set = i / per,
+// stepped without a division an item, kSumLoads loads in flight.
 // A division an item and one load at a time (and rows a multiple of 128 B
 // apart) took the block's sums 1.3 us at 128 channels, against 0.86 (notes
 // v89).
 constexpr int kSumLoads = 4;
-__device__ __forceinline__ float2 sum_items(const float2* group, int stride, int per, int items,
-                                            int first, int step) {
+template <typename Entry>
+__device__ __forceinline__ float2 sum_items(Entry&& entry, int per, int items, int first,
+                                            int step) {
   int set = first / per, j = first - set * per;
   const int dset = step / per, dj = step - dset * per;
   float2 t = make_float2(0.0f, 0.0f);
@@ -206,7 +227,7 @@ __device__ __forceinline__ float2 sum_items(const float2* group, int stride, int
     float2 q[kSumLoads];
 #pragma unroll
     for (int u = 0; u < kSumLoads; ++u) {
-      q[u] = i0 + u * step < items ? group[set * stride + j] : make_float2(0.0f, 0.0f);
+      q[u] = i0 + u * step < items ? entry(set, j) : make_float2(0.0f, 0.0f);
       set += dset, j += dj;
       if (j >= per) j -= per, ++set;
     }
@@ -218,16 +239,18 @@ __device__ __forceinline__ float2 sum_items(const float2* group, int stride, int
   return t;
 }
 
-// Sums of the block's float2s over group k's `per` entries in each of the
-// `sets` rows of `stride` entries, in a fixed order: a warp a group where a
+// Sums of the block's float2s over group k's `per` entries in each of
+// `sets` row sets, entry(k, set, j), in a fixed order: a warp a group where a
 // group has many of them, else a thread a group.
-__device__ __forceinline__ void sum_groups(const float2* partial, int sets, int stride, int per,
-                                           int groups, float2* block_sums) {
+template <typename Entry>
+__device__ __forceinline__ void sum_groups(Entry&& entry, int sets, int per, int groups,
+                                           float2* block_sums) {
   const int items = sets * per;
   const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
   if (items >= 64) {
     for (int k = warp; k < groups; k += kClusterGnThreads / 32) {
-      const float2 t = sum_items(partial + k * per, stride, per, items, lane, 32);
+      const float2 t = sum_items([&](int set, int j) { return entry(k, set, j); }, per, items,
+                                 lane, 32);
       float v[2] = {t.x, t.y};
       warp_sum(v);
       if (lane == 0) block_sums[k] = make_float2(v[0], v[1]);
@@ -235,7 +258,7 @@ __device__ __forceinline__ void sum_groups(const float2* partial, int sets, int 
     return;
   }
   for (int k = tid; k < groups; k += kClusterGnThreads) {
-    block_sums[k] = sum_items(partial + k * per, stride, per, items, 0, 1);
+    block_sums[k] = sum_items([&](int set, int j) { return entry(k, set, j); }, per, items, 0, 1);
   }
 }
 
@@ -300,24 +323,32 @@ __device__ __forceinline__ void block_group_sums(float2* partial, const float (&
                                                  const float (&s2)[V], bool active, int set,
                                                  int lane, int sets, int c, int group_size,
                                                  float2* out) {
-  const int per_lane = sums_a_lane(group_size, V);
+  const bool whole = group_size % V == 0;
+  const int lanes = c / V, stride = set_sums_stride(c, V, group_size);
   if (active) {
-    if (per_lane == V) {  // one group: its channels' sums added
+    if (whole) {  // one group: its channels' sums added
       float t1 = s1[0], t2 = s2[0];
 #pragma unroll
       for (int e = 1; e < V; ++e) t1 += s1[e], t2 += s2[e];
-      partial[set * sums_stride(c / V) + lane] = make_float2(t1, t2);
+      partial[set * stride + lane] = make_float2(t1, t2);
     } else {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        partial[set * sums_stride(c) + lane * V + e] = make_float2(s1[e], s2[e]);
+        partial[set * stride + e * lane_sums_stride(lanes) + lane] = make_float2(s1[e], s2[e]);
       }
     }
   }
   __syncthreads();
   JAXNORM_GN_CLUSTER_STAMP(2);
-  sum_groups(partial, sets, sums_stride(c / per_lane), group_size / per_lane, c / group_size,
-             out);
+  if (whole) {
+    const int per = group_size / V;
+    sum_groups([&](int k, int s, int j) { return partial[s * stride + k * per + j]; }, sets, per,
+               c / group_size, out);
+  } else {
+    sum_groups([&](int k, int s, int j) {
+      return partial[s * stride + lane_sums_at<V>(k * group_size + j, lanes)];
+    }, sets, group_size, c / group_size, out);
+  }
 }
 
 // The meeting of a cluster's blocks (and of a sample's clusters, m > 1):

@@ -25,25 +25,17 @@
 
 namespace jaxnorm::cuda {
 
-// A row set's float2s in the threads' sums of dy and dy d a channel: entry
-// e of lane l at e * (lanes + 4) + l, so that a warp's store of its lanes'
-// entry e is contiguous (lane-major, l * V + e, it was a 16-way bank
-// conflict, 8 stores a thread), and the reads a channel a thread touch each
-// bank at most twice.
-__host__ __device__ inline int lane_sums_stride(int lanes) { return lanes + 4; }
-__host__ __device__ inline int lane_sums_at(int c, int vec, int lanes) {
-  return c % vec * lane_sums_stride(lanes) + c / vec;
-}
-// The float2s a row set takes in either layout.
-__host__ __device__ inline int bwd_set_stride(int c, int vec) {
-  const int moments = sums_stride(c), lane_major = vec * lane_sums_stride(c / vec);
+// The float2s a row set takes in the threads' sums: x's moments
+// (block_group_sums' layout), then dy's and dy d's a channel, lane-major
+// (lane_sums_at: the reads a channel a thread touch a bank at most twice).
+__host__ __device__ inline int bwd_set_stride(int c, int vec, int group_size) {
+  const int moments = set_sums_stride(c, vec, group_size), lane_major = lane_sums_set(c, vec);
   return moments > lane_major ? moments : lane_major;
 }
 
 // The dynamic shared memory of a backward launch: the block's held rows of
 // x, then of dy (stage s of the ring at s * stage_rows in each); the
-// threads' sums (a float2 a row set and channel; block_group_sums' layout,
-// then lane_sums_at's); the block's per-channel
+// threads' sums (bwd_set_stride); the block's per-channel
 // sums and those times the channel's scale (a float2 a channel each); the
 // block's group sums of x's moments and of the scaled channel sums (a float2
 // a group each), the meeting's K floats a group, and per group dx's terms
@@ -60,11 +52,12 @@ struct ClusterGnBwdSmem {
     const int sets = threads / (c / vec), groups = c / group_size;
     s.dy = size_t(held_rows) * c * x_bytes;  // a multiple of 16: c % vec == 0
     s.partial = 2 * s.dy;
-    s.chan = s.partial + size_t(sets) * bwd_set_stride(c, vec) * sizeof(float2);
+    const size_t sums = size_t(sets) * bwd_set_stride(c, vec, group_size) * sizeof(float2);
+    s.chan = s.partial + round16(sums);
     s.wchan = s.chan + size_t(c) * sizeof(float2);
     s.moments = s.wchan + size_t(c) * sizeof(float2);
     s.scaled = s.moments + size_t(groups) * sizeof(float2);
-    s.meet = s.scaled + size_t(groups) * sizeof(float2);  // 16-byte aligned: c is even
+    s.meet = s.scaled + size_t(groups) * sizeof(float2);  // 16-byte aligned: chan is, c even
     s.terms = s.meet + size_t(groups) * sizeof(float4);
     s.stats = s.terms + size_t(groups) * sizeof(float4);
     s.shift = s.stats + size_t(groups) * sizeof(float2);
@@ -287,7 +280,7 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
     block_group_sums<V>(partial, s1, s2, active, set, lane, sets, g.c, g.group_size, moments);
     __syncthreads();  // sum_groups' reads of partial, rewritten below
   }
-  const int set_sums = bwd_set_stride(g.c, V);
+  const int set_sums = lane_sums_set(g.c, V);
   if (active) {
 #pragma unroll
     for (int e = 0; e < V; ++e) {
@@ -296,13 +289,15 @@ __global__ void __launch_bounds__(kClusterGnThreads, 1)
   }
   __syncthreads();
   for (int c = tid; c < g.c; c += kClusterGnThreads) {
-    const float2 t = sum_items(partial + lane_sums_at(c, V, lanes), set_sums, 1, sets, 0, 1);
+    const float2* at_c = partial + lane_sums_at<V>(c, lanes);
+    const float2 t = sum_items([&](int s, int) { return at_c[s * set_sums]; }, 1, sets, 0, 1);
     const A wc = scale[c];
     chan[c] = t;
     wchan[c] = make_float2(wc * t.x, wc * t.y);
   }
   __syncthreads();
-  sum_groups(wchan, 1, g.c, g.group_size, groups, scaled);
+  sum_groups([&](int k, int, int j) { return wchan[k * g.group_size + j]; }, 1, g.group_size,
+             groups, scaled);
   __syncthreads();
   JAXNORM_GN_CLUSTER_STAMP(3);
   for (int k = tid; k < groups; k += kClusterGnThreads) {
