@@ -62,11 +62,6 @@ ffi::Error layout_error(const ChannelNormShape& s) {
       std::to_string(s.b));
 }
 
-// Whether the runtime refused a cooperative cluster launch, counting fewer
-// blocks at once than the plan's occupancy query did (the launch ran
-// nothing): the passes then serve the call instead.
-bool clusters_refused(cudaError_t err) { return err == cudaErrorCooperativeLaunchTooLarge; }
-
 // A cluster plan's meetings where it spreads a sample, or where its grid
 // meets (`grid_meets`): the counters and the clusters' sums (scratch);
 // without counters the plan is dropped (parts 0: the passes instead).
@@ -100,9 +95,9 @@ ffi::Error launch_fwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAl
     if (plan.parts > 0) {
       plan.args.epsilon = epsilon;
       plan.args.act = act;
-      const cudaError_t err =
-          launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, sums, counters, dev, mean, var, y);
-      if (!clusters_refused(err)) return cuda_error(err, "channel_norm_fwd (clusters)");
+      return cuda_error(launch_cluster_gn<X, Y, W, V>(stream, plan, s.n, x, p, sums, counters,
+                                                      dev, mean, var, y),
+                        "channel_norm_fwd (clusters)");
     }
   }
   if (!given) {
@@ -172,8 +167,7 @@ constexpr int64_t kClusterBwdMinChannels = 64;
 
 // The backward without an activation in one launch of the cluster kernel
 // (channel_norm_cluster_bwd.cuh), where plan_clusters finds a plan for it:
-// `done` says whether it ran (not where no plan serves, nor where the
-// runtime refused its clusters). kOwn: the statistics computed.
+// `done` says whether it ran. kOwn: the statistics computed.
 template <typename X, typename W, int V, bool kOwn>
 ffi::Error cluster_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchAllocator& scratch,
                        const ChannelNormShape& s, double epsilon, const X* x,
@@ -196,10 +190,10 @@ ffi::Error cluster_bwd(cudaStream_t stream, const DeviceInfo& dev, ffi::ScratchA
     const int64_t clusters = s.n * plan.args.clusters_per_sample;
     JAXNORM_RETURN_IF_ERROR(scratch_of(scratch, clusters * s.c * 2, &chan));
   }
-  const cudaError_t err = launch_cluster_gn_bwd<X, W, V, kOwn>(
-      stream, plan, s.n, x, dy, p, mean, var, sums, counters, dev, chan, dscale, dbias, dx);
-  *done = !clusters_refused(err);
-  return *done ? cuda_error(err, "channel_norm_bwd (clusters)") : ffi::Error::Success();
+  return cuda_error(launch_cluster_gn_bwd<X, W, V, kOwn>(stream, plan, s.n, x, dy, p, mean, var,
+                                                         sums, counters, dev, chan, dscale,
+                                                         dbias, dx),
+                    "channel_norm_bwd (clusters)");
 }
 
 // The backward's passes (channel_norm_kernels.cuh): the tiles' sums (with
