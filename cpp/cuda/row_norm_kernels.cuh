@@ -355,15 +355,21 @@ struct Ring {
     return base + ((stage * kTensors + k) * NV + i) * blockDim.x + threadIdx.x;
   }
   // Starts the copies of the thread's vectors of `row` (nullptr: none).
-  template <typename T>
+  // kNarrow: the row's vectors are counted in 32 bits (nvec < 2^31).
+  template <bool kNarrow = false, typename T>
   __device__ void issue(int stage, int k, const T* row, int lane, int tpr,
                         int64_t nvec) const {
     if constexpr (kStaged) {
       if (row == nullptr) return;
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
-        const int64_t c = lane + int64_t(i) * tpr;
-        if (c < nvec) cp_async16(at(stage, k, i), row + c * VEC);
+        if constexpr (kNarrow) {
+          const int c = lane + i * tpr;
+          if (c < int(nvec)) cp_async16(at(stage, k, i), row + c * VEC);
+        } else {
+          const int64_t c = lane + int64_t(i) * tpr;
+          if (c < nvec) cp_async16(at(stage, k, i), row + c * VEC);
+        }
       }
     }
   }
@@ -856,7 +862,12 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
       if (a.has_bias) db[j * a.tpr] = typename L::Chunk{};
     }
   }
-  auto in_row = [&](int i) { return t.lane + int64_t(i) * a.tpr < t.nvec; };
+  // A held split's slice is at most kMaxSliceThreads * NV vectors: its
+  // indices in 32 bits, a compare a vector instead of a 64-bit add and two.
+  auto in_row = [&](int i) {
+    if constexpr (kHold) return t.lane + i * a.tpr < int(t.nvec);
+    return t.lane + int64_t(i) * a.tpr < t.nvec;
+  };
   const W* w_src = a.has_scale ? static_cast<const W*>(a.scale) + t.col0 : nullptr;
   // The scale as applied (1 without one), in registers (kReread).
   RegVec<W, VEC> wv[kReread ? NV : 1];
@@ -898,8 +909,10 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
       if constexpr (kBulk) {
         if (priming) fill(stage, g);
       } else {
-        ring.issue(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr, t.nvec);
-        ring.issue(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr, t.nvec);
+        ring.template issue<kHold>(stage, 0, static_cast<const X*>(a.x) + base, t.lane, a.tpr,
+                                   t.nvec);
+        ring.template issue<kHold>(stage, 1, static_cast<const G*>(a.dy) + base, t.lane, a.tpr,
+                                   t.nvec);
       }
       if (!kPlain && a.dres != nullptr && t.lane == 0) {  // dres, a row ahead of its use
         prefetch_l2(static_cast<const X*>(a.dres) + base, uint32_t(t.nvec * VEC * sizeof(X)));
@@ -1021,13 +1034,14 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
     // then the dx terms. dscale and dbias are accumulated here where xhat is
     // known, else in the second pass.
     A c_gx, c_g;
-    // kHold: xhat = held_xh, or held_xh * rstd - held_shift where the first
-    // pass knew only x less the shift (or x).
-    A held_shift = 0;
-    bool held_scaled = true;
+    // kHold: xhat = held_xh * held_rstd - held_shift, which is held_xh
+    // itself (times 1, less 0: exact) where the first pass knew all of xhat,
+    // and otherwise xhat from x less the shift (or x): one FMA either way,
+    // not both forms and a select on the mode.
+    A held_rstd = 1, held_shift = 0;
     auto first_pass = [&](auto mode) {
       constexpr RowDots kMode = decltype(mode)::value;
-      held_scaled = first_pass_xhat(kMode, kSplit) == Xhat::kScaled;
+      constexpr bool kHeldScaled = first_pass_xhat(kMode, kSplit) == Xhat::kScaled;
       A s[row_dot_count(kMode)] = {};
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
@@ -1063,7 +1077,7 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
       }
       [[maybe_unused]] const A shift = mean;
       row_dx_terms<kMode>(s, a.centered, A(a.epsilon), t.inv_n, mean, rstd, c_gx, c_g);
-      if constexpr (kHold) held_shift = (mean - shift) * rstd;
+      if constexpr (kHold && !kHeldScaled) held_rstd = rstd, held_shift = (mean - shift) * rstd;
     };
     using Mode = RowDots;
     if (has_stats) {
@@ -1089,14 +1103,14 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
     }
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
-      const int64_t c = t.lane + int64_t(i) * a.tpr;
-      if (c >= t.nvec) continue;
+      if (!in_row(i)) continue;
+      const int64_t c = kHold ? int64_t(t.lane + i * a.tpr) : t.lane + int64_t(i) * a.tpr;
       A xh[VEC], d[VEC], g[VEC], o[VEC];
       if constexpr (kHold) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           d[e] = held_d[i][e];
-          xh[e] = held_scaled ? held_xh[i][e] : held_xh[i][e] * rstd - held_shift;
+          xh[e] = held_xh[i][e] * held_rstd - held_shift;
         }
         g_of(i, d, g);
       } else {
