@@ -8,6 +8,9 @@ time, like the benchmark):
   fwd:         y = x * 2          (read x, write y)
   fwd+bwd:     dx = x * dy        (read x, dy, write dx)
   add fwd:     (x + r, x * r)     (read x, r, write two outputs)
+  copy:        the 1 GB figure's own op, float32 `a * 2`, on the forward's
+               bytes (a float32 array of half the elements): the 1:1 pattern
+               at the shape's size, without XLA's bf16 code
 and, given the benchmark's JSON, jaxnorm's time for the matching row as a
 percent of that op's (above 100: jaxnorm moved the same bytes faster).
   python benchmarks/copy_sizes.py --table results/row_norm_NVIDIA_H200.json --out DIR
@@ -60,6 +63,12 @@ def main() -> None:
     for shape in LARGE:
         x = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
         r = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        half = jnp.asarray(rng.standard_normal(x.size // 2), jnp.float32)
+        us = device_time_us(jax.jit(lambda a: a * 2), half)
+        gbps = 2 * half.size * 4 / us / 1e3
+        lines.append(f"| copy | {shape[0]}x{shape[1]} | {us:.1f} | {gbps:.0f} | "
+                     f"{100 * gbps / copy:.0f}% | | |")
+        print(lines[-1], flush=True)
         for name, (rows, op, reads, writes) in PATTERNS.items():
             us = device_time_us(jax.jit(op), x, r)
             gbps = (reads + writes) * x.size * 2 / us / 1e3
