@@ -358,6 +358,7 @@ int main(int argc, char** argv) {
       if (nv > kMaxBwdNv) continue;
       const char* mark = mark_of(bwd_plan, few.blocks > 0);
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, true, info);
+      lean_for_layer_norm(l, c.centered, info);
       char name[16];
       std::snprintf(name, sizeof name, "%2d%s", nv, mark);
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
@@ -372,11 +373,24 @@ int main(int argc, char** argv) {
       BwdArgs own = ba;
       own.mean = own.rstd = nullptr;
       own.epsilon = 1e-5;
-      const auto l = plan_bwd<bf16, bf16, bf16, VEC>(own_plan, H, true, regions, true, info);
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(own_plan, H, true, regions, true, info);
+      lean_for_layer_norm(l, c.centered, info);
       const bool roles = roles_serve(own, info);  // then the handlers' plan
       time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
                own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+      // A one-block launch with its accumulators in registers, again in the
+      // other arithmetic (lean_for_layer_norm): the short (oL) or the full (oF).
+      const auto full_kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, false, true);
+      const auto lean_kernel =
+          bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, false, true, false, false, true);
+      if (l.kernel == full_kernel || l.kernel == lean_kernel) {
+        auto la = l;
+        la.kernel = l.kernel == full_kernel ? lean_kernel : full_kernel;
+        CHECK(allow_dynamic_smem_once(la.kernel, la.smem, info));
+        time_bwd(l.kernel == full_kernel ? " oL" : " oF", own_plan.tpr, own_plan.rows_per_block,
+                 la.grid, la.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, la, own)); });
+      }
       // A split that may load its slices by bulk copies (split_may_load_in_bulk),
       // again the other way: by each thread's cp.async (sc) where planned with
       // bulk copies, else with them (sb).

@@ -807,7 +807,7 @@ inline bool split_fits_slots(int parts, int threads) {
 
 // kSplit: a cluster of a.parts blocks a row (plan_bwd_split), compiled apart
 // so that the other launches keep their registers; it takes the short
-// arithmetic (xhat_of).
+// arithmetic (xhat_of), as kLean does outside a split (lean_for_layer_norm).
 // kAccInRegs: dscale/dbias accumulated in registers, not shared memory, for
 // LayerNorm's rows of 7K-12K 16-bit elements (or a cluster's slices of
 // longer ones), where the two shared accumulators left the SM one block
@@ -821,7 +821,7 @@ inline bool split_fits_slots(int parts, int threads) {
 // from the ring and convert them again; the bound lets ptxas take the 255
 // registers that needs (plan_bwd).
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs, bool kBulk = false, bool kHold = false>
+          bool kAccInRegs, bool kBulk = false, bool kHold = false, bool kLean = kSplit>
 __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
                                   : !kAccInRegs ? kMaxRowThreads
                                                 : kAccRegsThreads, 1)
@@ -1006,7 +1006,7 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
       }
 #pragma unroll
       for (int e = 0; e < VEC; ++e) {
-        xh[e] = xhat_of<kForm, kSplit, X>(xh[e], mean, rstd);
+        xh[e] = xhat_of<kForm, kLean, X>(xh[e], mean, rstd);
         if constexpr (kReread) {
           g[e] = d[e] * (kPlain ? w[e] : w[e] + scale_offset);
         } else {
@@ -1041,13 +1041,13 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
     A held_rstd = 1, held_shift = 0;
     auto first_pass = [&](auto mode) {
       constexpr RowDots kMode = decltype(mode)::value;
-      constexpr bool kHeldScaled = first_pass_xhat(kMode, kSplit) == Xhat::kScaled;
+      constexpr bool kHeldScaled = first_pass_xhat(kMode, kLean) == Xhat::kScaled;
       A s[row_dot_count(kMode)] = {};
 #pragma unroll
       for (int i = 0; i < NV; ++i) {
         if (!in_row(i)) continue;
         A xh[VEC], d[VEC], g[VEC];
-        xhat_g(std::integral_constant<Xhat, first_pass_xhat(kMode, kSplit)>{}, i, xh, d, g);
+        xhat_g(std::integral_constant<Xhat, first_pass_xhat(kMode, kLean)>{}, i, xh, d, g);
         if constexpr (kHold) {
 #pragma unroll
           for (int e = 0; e < VEC; ++e) held_xh[i][e] = xh[e], held_d[i][e] = d[e];
@@ -1117,7 +1117,7 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
         xhat_g(std::integral_constant<Xhat, Xhat::kScaled>{}, i, xh, d, g);
       }
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o[e] = dx_of<kSplit>(g[e], xh[e], rstd, c_g, c_gx);
+      for (int e = 0; e < VEC; ++e) o[e] = dx_of<kLean>(g[e], xh[e], rstd, c_g, c_gx);
       if (!has_stats) accumulate_params(i, d, xh);
       if constexpr (!kPlain) dres[i].add_to(o, a);
       store_vec(dxr + c * VEC, o);
@@ -1334,12 +1334,13 @@ constexpr bool may_hold_acc_in_regs() {
   return VEC > 1 && sizeof(X) == 2 && M::scale(kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
-// The register path's kernel: kPlain, kSplit, kAccInRegs, kBulk and kHold as
-// the launch needs (kBulk: 16-bit x and dy, plain, split, accumulators shared;
-// kHold: split, accumulators in registers).
+// The register path's kernel: kPlain, kSplit, kAccInRegs, kBulk, kHold and
+// kLean as the launch needs (kBulk: 16-bit x and dy, plain, split,
+// accumulators shared; kHold: split, accumulators in registers; kLean: one
+// block a row, accumulators in registers).
 template <typename X, typename G, typename W, int VEC>
 void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = false,
-                       bool hold = false))(BwdArgs) {
+                       bool hold = false, bool lean = false))(BwdArgs) {
   constexpr int NV = kMaxBwdNv;
   if constexpr (sizeof(X) == 2 && sizeof(G) == 2 && Ring<VEC, NV, 2>::kStaged) {
     if (bulk && plain && split && !acc_in_regs) {
@@ -1349,6 +1350,9 @@ void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = fal
   if constexpr (may_hold_acc_in_regs<X, G, VEC>()) {
     if (acc_in_regs) {
       if (hold && split) return &bwd_regs<X, G, W, VEC, NV, true, true, true, false, true>;
+      if (lean && !split) {
+        return &bwd_regs<X, G, W, VEC, NV, true, false, true, false, false, true>;
+      }
       return split ? &bwd_regs<X, G, W, VEC, NV, true, true, true>
                    : &bwd_regs<X, G, W, VEC, NV, true, false, true>;
     }
@@ -1473,6 +1477,26 @@ BwdLaunch<X, G, W, VEC> plan_bwd(const RowPlan& plan, int64_t hidden, bool has_s
     l.grid = grid_size(plan.groups, int64_t(per_sm) * dev.sms);
   }
   return l;
+}
+
+// LayerNorm's one-block launches with the accumulators in registers take the
+// short arithmetic (kLean), but for rows of a warp. On an H200 (bf16,
+// computing the statistics, benchmarks/NOTES.md v95), full -> short, us:
+// 8192x12288 169.0 -> 164.2-164.5, 8192x10240 163.0-163.2 -> 158.4-158.5,
+// 16384x4096 108.7-109.6 -> 105.2-106.3, 32768x2048 105.8-106.7 ->
+// 103.2-103.4, 131072x512 115.1-115.3 -> 112.4-112.6; but 65536x1024 (32
+// threads a row) 110.1-110.6 -> 113.5-113.9 (v37 saw the same). RMSNorm's
+// lost 9-13% at 512, 2048, 4096 and 12288 wide (and gained 7% at 10240), so
+// its launches keep the full form.
+template <typename X, typename G, typename W, int VEC>
+void lean_for_layer_norm(BwdLaunch<X, G, W, VEC>& l, bool centered, const DeviceInfo& dev) {
+  if (!centered || l.plan.tpr == 32 ||
+      l.kernel != bwd_regs_kernel<X, G, W, VEC>(true, false, true)) {
+    return;
+  }
+  l.kernel = bwd_regs_kernel<X, G, W, VEC>(true, false, true, false, false, true);
+  const int per_sm = blocks_per_sm(l.kernel, l.plan.threads(), l.smem, dev);
+  l.grid = grid_size(l.plan.groups, int64_t(per_sm) * dev.sms);
 }
 
 // Whether split a (on a_clusters resident clusters) leaves each SM fewer of
