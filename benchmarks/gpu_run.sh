@@ -23,7 +23,8 @@
 # for their steps: benchmarks/prebuild.sh), from the source
 # tree, in place of the build;
 # BENCH_ARGS
-# go to bench_row_norm.py, UNET_ARGS to bench_unet.py; TESTS picks test files (default: all), TESTS_N
+# go to bench_row_norm.py, UNET_ARGS to bench_unet.py; TESTS picks test files (default: all),
+# TESTS_K the tests in them by pytest's -k, TESTS_N
 # runs them in that many processes (each takes a share of the GPU's memory;
 # default 12: the whole suite in about five minutes on an H200, where one
 # process took nine for a tenth of it; TESTS_N= runs one); the step
@@ -79,7 +80,8 @@ if step tests; then
   echo "== tests on the GPU"
   # Compiling dominates the suite: processes side by side share the GPU.
   (cd /tmp && env ${TESTS_N:+XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.8 / $TESTS_N, 3))")} \
-      python3 -m pytest -q -p no:cacheprovider ${TESTS_N:+-n $TESTS_N} ${TESTS:-$repo/tests} 2>&1) \
+      python3 -m pytest -q -p no:cacheprovider ${TESTS_N:+-n $TESTS_N} ${TESTS_K:+-k "$TESTS_K"} \
+      ${TESTS:-$repo/tests} 2>&1) \
     | tee "$OUT/tests.log" | tail -15
   tests_rc=${PIPESTATUS[0]}
 fi
