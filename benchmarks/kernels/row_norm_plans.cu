@@ -21,12 +21,16 @@
 // FWD_CLUSTERS=1 the forward over clusters of 2, 4 and 8 (8c*) at any width
 // that fwd_block takes at 4 or more vectors a thread, not only at 16. A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
-// without (sn, s8n). A split's sum_partials launch is timed alone (sp).
-// HOLD=1 times PARTS' splits of at most 256 threads held (o16H). The
-// warp-role backward
-// (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan
-// there; ro2 or ro3 the other count of stages); o is then bwd_regs' plan,
-// unplanned.
+// without (sn, s8n). A split's sum_partials launch is timed alone (sp). A
+// backward planned to pause after each row's sums (pause_rms_rows) is timed
+// again without (oN, 4N, gN; g*: the planned backward given the statistics,
+// where no plan of 4 or 8 vectors a thread above is it). SP=1 times the
+// planned backward's sum_partials alone (sp) and the launch without it (o-,
+// ro-). DXOFF=1x1,3x9 times the planned backward with dx and dy (a - 1) and
+// (b - 1) half-KB into allocations of their own. HOLD=1 times PARTS' splits
+// of at most 256 threads held (o16H). The warp-role backward
+// (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan there;
+// ro2 or ro3 the other count of stages); o is then bwd_regs' plan, unplanned.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icpp \
 //        -isystem $(python -c "import jax; print(jax.ffi.include_dir())") \
@@ -359,11 +363,35 @@ int main(int argc, char** argv) {
       const char* mark = mark_of(bwd_plan, few.blocks > 0);
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, true, info);
       lean_for_layer_norm(l, c.centered, info);
+      const auto unpaused = l;
+      pause_rms_rows(l, H, c.centered, info);
       char name[16];
       std::snprintf(name, sizeof name, "%2d%s", nv, mark);
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+      if (l.kernel != unpaused.kernel) {  // again without the pause (N)
+        const auto& ln = unpaused;
+        std::snprintf(name, sizeof name, "%2dN", nv);
+        time_bwd(name, p.tpr, p.rows_per_block, ln.grid, ln.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, ln, ba)); });
+      }
      }
+    }
+    // The planned backward given the statistics (g*) where the loop above
+    // did not time its plan, and where it pauses, again without (gN).
+    if (bwd_plan.nv > 0 && bwd_plan.parts == 1 && few.blocks == 0 &&
+        bwd_plan.rows_per_block != plan_with_nv(c.rows, nvec, bwd_plan.nv, sms).rows_per_block) {
+      CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y and statistics
+      auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
+      lean_for_layer_norm(l, c.centered, info);
+      const auto unpaused = l;
+      pause_rms_rows(l, H, c.centered, info);
+      time_bwd("g*", bwd_plan.tpr, bwd_plan.rows_per_block, l.grid, l.smem,
+               [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
+      if (l.kernel != unpaused.kernel) {
+        time_bwd("gN", bwd_plan.tpr, bwd_plan.rows_per_block, unpaused.grid, unpaused.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, unpaused, ba)); });
+      }
     }
     // The planned backward computing its rows' statistics from x (o*), as
     // under jax.grad, where the forward's mean and rstd go unused and the
@@ -375,10 +403,40 @@ int main(int argc, char** argv) {
       own.epsilon = 1e-5;
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(own_plan, H, true, regions, true, info);
       lean_for_layer_norm(l, c.centered, info);
+      const auto unpaused = l;
+      pause_rms_rows(l, H, c.centered, info);
       const bool roles = roles_serve(own, info);  // then the handlers' plan
       time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
                own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
+      // A launch that pauses after each row's sums (pause_rms_rows), again
+      // without (oN).
+      if (l.kernel != unpaused.kernel) {
+        const auto& ln = unpaused;
+        time_bwd(" oN", own_plan.tpr, own_plan.rows_per_block, ln.grid, ln.smem,
+                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, ln, own)); });
+      }
+      // DXOFF=1x1,3x1,...: the same launch with dx and dy in allocations of
+      // their own, (a - 1) and (b - 1) half-KB past their starts: whether
+      // where dx and dy lie against x changes what it takes (no check).
+      for (auto [dxo, dyo] : env_pairs("DXOFF", 1)) {
+        const size_t ox = size_t(dxo - 1) * 512, oy = size_t(dyo - 1) * 512;
+        char *pdx, *pdy;
+        CHECK(cudaMalloc(&pdx, n * 2 + ox));
+        CHECK(cudaMalloc(&pdy, n * 2 + oy));
+        CHECK(cudaMemcpyAsync(pdy + oy, dy, n * 2, cudaMemcpyDeviceToDevice, s));
+        BwdArgs ao = own;
+        ao.dx = pdx + ox;
+        ao.dy = pdy + oy;
+        char name[16];
+        std::snprintf(name, sizeof name, "d%d.%d", int(dxo), int(dyo));
+        const float us = time_us(s, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ao)); });
+        std::printf("%-3s %-9s %12s %5s %4d %3d %6d %6zu %9.1f\n", op, "bwd", shape, name,
+                    own_plan.tpr, own_plan.rows_per_block, l.grid, l.smem, us);
+        CHECK(cudaStreamSynchronize(s));
+        CHECK(cudaFree(pdx));
+        CHECK(cudaFree(pdy));
+      }
       // A one-block launch with its accumulators in registers, again in the
       // other arithmetic (lean_for_layer_norm): the short (oL) or the full (oF).
       const auto full_kernel = bwd_regs_kernel<bf16, bf16, bf16, VEC>(true, false, true);
@@ -486,6 +544,36 @@ int main(int argc, char** argv) {
           std::snprintf(name, sizeof name, stages == planned ? "ro*" : "ro%d", stages);
           time_bwd(name, kRoleThreads, 1, roles_grid(own, info), size_t(stages) * 2 * H * 2,
                    [&] { CHECK(launch_bwd_roles<bf16, bf16>(s, info, own, stages)); });
+        }
+      }
+      // SP=1: the planned launch's sum of its partial rows alone (sp, where
+      // a split's is not timed above), reading what the last launch above
+      // left (its check: the roles' partial rows where they serve, else
+      // bwd_regs' plan's), and the launch without it (ro- / o-).
+      const int64_t sp_rows = roles ? roles_grid(own, info) : l.partial_rows();
+      if (std::getenv("SP") && sp_rows > 1) {
+        if (l.plan.parts == 1 || roles) {
+          time_bwd(" sp", 256, 1, 0, 0,
+                   [&] { CHECK((launch_sum_partials<bf16, float>(s, own, sp_rows))); });
+        }
+        if (roles) {
+          const int stages = roles_stages(H, info);
+          auto kernel = c.centered ? (stages == 2 ? &bwd_roles<bf16, bf16, true, 2>
+                                                  : &bwd_roles<bf16, bf16, true, kRoleStages>)
+                                   : (stages == 2 ? &bwd_roles<bf16, bf16, false, 2>
+                                                  : &bwd_roles<bf16, bf16, false, kRoleStages>);
+          time_bwd("ro-", kRoleThreads, 1, int(sp_rows), size_t(stages) * 2 * H * 2, [&] {
+            kernel<<<unsigned(sp_rows), kRoleThreads, size_t(stages) * 2 * H * 2, s>>>(own);
+            CHECK(cudaGetLastError());
+          });
+        } else {
+          BwdArgs a = own;
+          a.tpr = l.plan.tpr, a.rows_per_block = l.plan.rows_per_block, a.parts = l.plan.parts;
+          a.stage_params = l.stage_scale;
+          time_bwd(" o-", l.plan.tpr, l.plan.rows_per_block, l.grid, l.smem, [&] {
+            CHECK(launch_clusters(l.kernel, unsigned(l.grid), l.plan.threads(), l.smem,
+                                  l.plan.parts, s, a));
+          });
         }
       }
       // PARTS=3,6: the same, split over clusters of that many blocks, a
