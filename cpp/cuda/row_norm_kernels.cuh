@@ -1533,8 +1533,10 @@ void lean_for_layer_norm(BwdLaunch<X, G, W, VEC>& l, bool centered, const Device
 // wide in the same launch, and LayerNorm's rows, whose first pass is longer,
 // 7% faster than RMSNorm's; 300 and 700 cycles gained less, a __nanosleep
 // of 100-800 ns a third as much, a stagger of the warps once at the start
-// nothing; at 520-960 wide the same pause cost 2-15%. Why a warp's later dx
-// makes the launch faster is not known (the Next list).
+// nothing; at 520-960 wide the same pause cost 2-15%. Those are launches
+// back to back; one at a time under Nsight Compute the pause cost 3-5%
+// (98-100 -> 101-105 us), so what it undoes comes from the launch before.
+// Why a warp's later dx makes the launch faster is not known (the Next list).
 template <typename X, typename G, typename W, int VEC>
 void pause_rms_rows(BwdLaunch<X, G, W, VEC>& l, int64_t hidden, bool centered,
                     const DeviceInfo& dev) {
