@@ -15,6 +15,11 @@ with its range. Two controls separate the norms from that noise:
   algorithm from its shape and layout alone, the same in every variant.
 
   python benchmarks/bench_llama.py --out DIR [--repeats 3]
+      [--hidden 1024 --batch 64 --seq 1024 --param-dtype bfloat16 --train-only --no-control]
+
+--hidden scales the model as Llama does (heads of 128, ffn 8/3 of hidden
+rounded up to 256); --batch and --seq shape the training step's tokens;
+--param-dtype bfloat16 trains bfloat16 parameters (float32 by default).
 """
 
 from __future__ import annotations
@@ -44,7 +49,14 @@ from llama_train import (  # noqa: E402
 
 import jaxnorm  # noqa: E402
 
-WIDE = dict(vocab=32000, hidden=4096, heads=32, ffn=11008, max_len=2048)
+
+def llama_dims(hidden: int) -> dict:
+    """A Llama-style model of this width: heads of 128, ffn 8/3 of hidden up to 256."""
+    return dict(vocab=32000, hidden=hidden, heads=max(1, hidden // 128),
+                ffn=256 * -(-8 * hidden // (3 * 256)), max_len=2048)
+
+
+WIDE = llama_dims(4096)  # ffn 11008, as Llama's
 TINY = dict(vocab=256, hidden=128, heads=4, ffn=344, max_len=2048)  # --tiny: checks the script
 
 VARIANTS = {  # name: Config fields
@@ -64,13 +76,16 @@ def summary(kernels: dict[str, float]) -> dict:
         jaxnorm_us=sum(us for n, us in kernels.items() if "jaxnorm" in n),
         gemm_us=sum(us for n, us in kernels.items() if any(g in n for g in GEMM_KERNELS)),
         top=", ".join(f"{n[:50]} {us:.1f}" for n, us in ranked[:12]),
+        jaxnorm_kernels={n: us for n, us in ranked if "jaxnorm" in n},
     )
 
 
-def train_step_time(variant: str, dims: dict, layers: int, batch: int, seq: int) -> dict:
+def train_step_time(variant: str, dims: dict, layers: int, batch: int, seq: int,
+                    param_dtype: str = "float32") -> dict:
     cfg = Config(**dims, layers=layers, **VARIANTS[variant])
     model = Llama(cfg)
     params = model.init(jax.random.key(0), jnp.zeros((1, seq), jnp.int32))
+    params = jax.tree.map(lambda p: p.astype(param_dtype), params)
     tx = optax.adamw(1e-4)
     opt_state = tx.init(params)
     step = make_train_step(model, tx)
@@ -94,10 +109,11 @@ def decode_step_time(variant: str, dims: dict, layers: int, batch: int, pos: int
     return summary(kernel_times_or_wall(step, *args, iters=20))
 
 
-def cases(dims: dict, layers: int) -> dict:
+def cases(dims: dict, layers: int, batch: int, seq: int, param_dtype: str) -> dict:
+    params = "" if param_dtype == "float32" else f", {param_dtype} parameters"
     return {
-        ("train step", f"batch 4 x seq 1024, {layers} layers"):
-            lambda v: train_step_time(v, dims, layers, 4, 1024),
+        ("train step", f"batch {batch} x seq {seq}, {layers} layers{params}"):
+            lambda v: train_step_time(v, dims, layers, batch, seq, param_dtype),
         ("decode step", f"batch 8, position 1000, {layers} layers"):
             lambda v: decode_step_time(v, dims, layers, 8, 1000),
         ("decode step", f"batch 64, position 1000, {layers} layers"):
@@ -110,12 +126,16 @@ def measure_in_child(variant: str, args, train_only: bool, no_autotune: bool) ->
     env = dict(os.environ)
     if no_autotune:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + NO_AUTOTUNE).strip()
-    cmd = [sys.executable, __file__, "--child", variant, "--layers", str(args.layers)]
+    cmd = [sys.executable, __file__, "--child", variant, "--layers", str(args.layers),
+           "--hidden", str(args.hidden), "--batch", str(args.batch), "--seq", str(args.seq),
+           "--param-dtype", args.param_dtype]
     cmd += ["--train-only"] * train_only + ["--tiny"] * args.tiny
     out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
     records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     for r in records:
         r["autotuning"] = "off" if no_autotune else "on"
+        for name, us in r["jaxnorm_kernels"].items():
+            print(f"#   {us:8.1f} µs  {name[:160]}")
         print(f"# {r['norms']} ({r['step']}, autotuning {r['autotuning']}): "
               f"{r['us']:.1f} µs, outside GEMMs {r['us'] - r['gemm_us']:.1f}; {r.pop('top')}",
               flush=True)
@@ -169,12 +189,20 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--child", choices=list(VARIANTS), help=argparse.SUPPRESS)
-    ap.add_argument("--train-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--hidden", type=int, default=WIDE["hidden"])
+    ap.add_argument("--batch", type=int, default=4, help="the training step's sequences")
+    ap.add_argument("--seq", type=int, default=1024, help="the training step's length")
+    ap.add_argument("--param-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the training step's parameters")
+    ap.add_argument("--train-only", action="store_true", help="no decode steps")
+    ap.add_argument("--no-control", action="store_true",
+                    help="no compilations with XLA's autotuning off")
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the script")
     args = ap.parse_args()
-    dims = TINY if args.tiny else WIDE
+    dims = TINY if args.tiny else llama_dims(args.hidden)
     if args.child:  # one variant, every case, one compilation each: JSON lines
-        for (what, shape), run in cases(dims, args.layers).items():
+        for (what, shape), run in cases(dims, args.layers, args.batch, args.seq,
+                                        args.param_dtype).items():
             if args.train_only and what != "train step":
                 continue
             print(json.dumps(dict(step=what, shape=shape, norms=args.child,
@@ -184,14 +212,14 @@ def main():
     records = []
     for i in range(args.repeats):  # variants take turns, so drift hits them alike
         for variant in VARIANTS:  # decode steps once: their GEMMs are a small share
-            records += measure_in_child(variant, args, i > 0, False)
-    for variant in VARIANTS:
+            records += measure_in_child(variant, args, args.train_only or i > 0, False)
+    for variant in VARIANTS if not args.no_control else ():
         records += measure_in_child(variant, args, True, True)
     # The children hold the GPU; this process never touches it.
     meta = dict(device=records[0]["device"], date=datetime.date.today().isoformat(),
                 jax=jax.__version__, jaxnorm=jaxnorm.__version__,
                 model=dict(dims, layers=args.layers), repeats=args.repeats,
-                dtype="bfloat16 activations, float32 parameters (bfloat16 for decode)")
+                dtype=f"bfloat16 activations, {args.param_dtype} parameters (bfloat16 for decode)")
     rows = table_rows(records)
     write_results(args.out, "llama", meta["device"], dict(meta, runs=records), rows,
                   markdown(rows, meta))

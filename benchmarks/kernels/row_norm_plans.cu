@@ -21,13 +21,16 @@
 // FWD_CLUSTERS=1 the forward over clusters of 2, 4 and 8 (8c*) at any width
 // that fwd_block takes at 4 or more vectors a thread, not only at 16. A split
 // planned to hold its first pass's values (bwd_regs' kHold) is timed again
-// without (sn, s8n). A split's sum_partials launch is timed alone (sp). A
-// backward planned to pause after each row's sums (pause_rms_rows) is timed
-// again without (oN, 4N, gN; g*: the planned backward given the statistics,
-// where no plan of 4 or 8 vectors a thread above is it). SP=1 times the
+// without (sn, s8n). A split's sum_partials launch is timed alone (sp). g*:
+// the planned backward given the statistics, where no plan of 4 or 8 vectors
+// a thread above is it. SP=1 times the
 // planned backward's sum_partials alone (sp) and the launch without it (o-,
 // ro-). DXOFF=1x1,3x9 times the planned backward with dx and dy (a - 1) and
-// (b - 1) half-KB into allocations of their own. HOLD=1 times PARTS' splits
+// (b - 1) half-KB into allocations of their own. CTX=1 times each backward
+// again after a kernel that writes its dy (c: as a model's matmul writes the
+// gradient that the norm's backward reads next) and after one that reads
+// another tensor (r: L2 clean of the backward's data), each pair's time less
+// that kernel's alone; without CTX, launches follow each other. HOLD=1 times PARTS' splits
 // of at most 256 threads held (o16H). The warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan there;
 // ro2 or ro3 the other count of stages); o is then bwd_regs' plan, unplanned.
@@ -298,20 +301,43 @@ int main(int argc, char** argv) {
       hx = to_host(x, n, true), hw = to_host(w, H, true), hb = to_host(b, H, true);
       hdy = to_host(dy, n, true);
     }
-    // Times a backward launch, checks its output and prints a row.
+    // CTX=1: dy written again before a launch from a copy of its own (dy0),
+    // or another tensor (h) read.
+    const bool ctx = std::getenv("CTX") != nullptr;
+    bf16* dy0 = nullptr;
+    if (ctx) {
+      CHECK(cudaMalloc(&dy0, n * 2));
+      CHECK(cudaMemcpyAsync(dy0, dy, n * 2, cudaMemcpyDeviceToDevice, s));
+    }
+    auto write_dy = [&] {
+      copy_kernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(dy0),
+                                          reinterpret_cast<uint4*>(dy), n * 2 / 16);
+    };
+    auto read_other = [&] {
+      read_only<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(h), n * 2 / 16,
+                                        reinterpret_cast<uint4*>(partial));
+    };
+    const float write_us = ctx ? time_us(s, write_dy) : 0, read_us = ctx ? time_us(s, read_other) : 0;
+    // Times a backward launch, checks its output and prints a row (with CTX,
+    // two more: c and r).
     auto time_bwd = [&](const char* name, int tpr, int rpb, int grid, size_t smem, auto launch) {
       if (std::getenv("FWD_ONLY")) return;
-      const float us = time_us(s, launch);
       const double bytes = 3.0 * n * 2;
-      double err = -1;
-      if (verify) {
-        CHECK(cudaStreamSynchronize(s));
-        err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
-                    to_host(dw, H, true), to_host(dbias, H, true));
-      }
-      std::printf("%-3s %-9s %12s %3s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op, "bwd",
-                  shape, name, tpr, rpb, grid, smem, us, bytes / us / 1e3,
-                  100 * bytes / us / 1e3 / copy, err);
+      auto row = [&](const char* ctx_mark, float us) {
+        double err = -1;
+        if (verify) {
+          CHECK(cudaStreamSynchronize(s));
+          err = check(c, hx, hw, hb, hdy, to_host(y, n, true), to_host(dx, n, true),
+                      to_host(dw, H, true), to_host(dbias, H, true));
+        }
+        std::printf("%-3s %-9s %12s %3s%s %4d %3d %6d %6zu %9.1f %6.0f %4.0f%%  %.1e\n", op,
+                    "bwd", shape, name, ctx_mark, tpr, rpb, grid, smem, us, bytes / us / 1e3,
+                    100 * bytes / us / 1e3 / copy, err);
+      };
+      row(ctx ? " " : "", time_us(s, launch));
+      if (!ctx) return;
+      row("c", time_us(s, [&] { write_dy(); launch(); }) - write_us);
+      row("r", time_us(s, [&] { read_other(); launch(); }) - read_us);
     };
     // The grid of a split's launch of `kernel`: as many clusters as then fit.
     auto split_grid = [&](auto kernel, const RowPlan& q, size_t smem) {
@@ -363,35 +389,21 @@ int main(int argc, char** argv) {
       const char* mark = mark_of(bwd_plan, few.blocks > 0);
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(p, H, true, regions, true, info);
       lean_for_layer_norm(l, c.centered, info);
-      const auto unpaused = l;
-      pause_rms_rows(l, H, c.centered, info);
       char name[16];
       std::snprintf(name, sizeof name, "%2d%s", nv, mark);
       time_bwd(name, p.tpr, p.rows_per_block, l.grid, l.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
-      if (l.kernel != unpaused.kernel) {  // again without the pause (N)
-        const auto& ln = unpaused;
-        std::snprintf(name, sizeof name, "%2dN", nv);
-        time_bwd(name, p.tpr, p.rows_per_block, ln.grid, ln.smem,
-                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, ln, ba)); });
-      }
      }
     }
     // The planned backward given the statistics (g*) where the loop above
-    // did not time its plan, and where it pauses, again without (gN).
+    // did not time its plan.
     if (bwd_plan.nv > 0 && bwd_plan.parts == 1 && few.blocks == 0 &&
         bwd_plan.rows_per_block != plan_with_nv(c.rows, nvec, bwd_plan.nv, sms).rows_per_block) {
       CHECK(launch_fwd<bf16, bf16, bf16, VEC>(s, info, fwd_plan, fa));  // y and statistics
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(bwd_plan, H, true, regions, true, info);
       lean_for_layer_norm(l, c.centered, info);
-      const auto unpaused = l;
-      pause_rms_rows(l, H, c.centered, info);
       time_bwd("g*", bwd_plan.tpr, bwd_plan.rows_per_block, l.grid, l.smem,
                [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, ba)); });
-      if (l.kernel != unpaused.kernel) {
-        time_bwd("gN", bwd_plan.tpr, bwd_plan.rows_per_block, unpaused.grid, unpaused.smem,
-                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, unpaused, ba)); });
-      }
     }
     // The planned backward computing its rows' statistics from x (o*), as
     // under jax.grad, where the forward's mean and rstd go unused and the
@@ -403,19 +415,10 @@ int main(int argc, char** argv) {
       own.epsilon = 1e-5;
       auto l = plan_bwd<bf16, bf16, bf16, VEC>(own_plan, H, true, regions, true, info);
       lean_for_layer_norm(l, c.centered, info);
-      const auto unpaused = l;
-      pause_rms_rows(l, H, c.centered, info);
       const bool roles = roles_serve(own, info);  // then the handlers' plan
       time_bwd(own_plan.parts > 1 ? "so*" : roles ? " o" : " o*", own_plan.tpr,
                own_plan.rows_per_block,
                l.grid, l.smem, [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, l, own)); });
-      // A launch that pauses after each row's sums (pause_rms_rows), again
-      // without (oN).
-      if (l.kernel != unpaused.kernel) {
-        const auto& ln = unpaused;
-        time_bwd(" oN", own_plan.tpr, own_plan.rows_per_block, ln.grid, ln.smem,
-                 [&] { CHECK(launch_bwd<bf16, bf16, bf16, VEC>(s, ln, own)); });
-      }
       // DXOFF=1x1,3x1,...: the same launch with dx and dy in allocations of
       // their own, (a - 1) and (b - 1) half-KB past their starts: whether
       // where dx and dy lie against x changes what it takes (no check).
@@ -977,7 +980,8 @@ int main(int argc, char** argv) {
     }
     CHECK(cudaStreamSynchronize(s));
     for (void* p : {(void*)x, (void*)dy, (void*)y, (void*)dx, (void*)res, (void*)h, (void*)w, (void*)b,
-                    (void*)dw, (void*)dbias, (void*)mean, (void*)rstd, (void*)partial}) {
+                    (void*)dw, (void*)dbias, (void*)mean, (void*)rstd, (void*)partial,
+                    (void*)dy0}) {
       CHECK(cudaFree(p));
     }
     std::fflush(stdout);

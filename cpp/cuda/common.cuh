@@ -577,14 +577,6 @@ __device__ __forceinline__ void mbar_wait(const uint64_t* bar, uint32_t parity) 
 #endif
 }
 
-// Holds the calling thread for at least `cycles` (under 2^31) of its SM's
-// clock; its low 32 bits, one register (the difference wraps correctly).
-__device__ __forceinline__ void spin_cycles(int cycles) {
-  const unsigned start = unsigned(clock());
-  while (unsigned(clock()) - start < unsigned(cycles)) {
-  }
-}
-
 // Orders the thread's (and, after an mbarrier wait, the block's) earlier
 // shared-memory accesses before its later bulk copies (the async proxy).
 __device__ __forceinline__ void fence_proxy_async() {

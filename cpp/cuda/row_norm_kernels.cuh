@@ -820,12 +820,8 @@ inline bool split_fits_slots(int parts, int threads) {
 // registers across the row's sums, where the second pass would read x and dy
 // from the ring and convert them again; the bound lets ptxas take the 255
 // registers that needs (plan_bwd).
-// kPause: each warp waits kRowPauseCycles after a row's sums (pause_rms_rows),
-// compiled apart so that the other launches keep their code.
-constexpr int kRowPauseCycles = 470;
 template <typename X, typename G, typename W, int VEC, int NV, bool kPlain, bool kSplit,
-          bool kAccInRegs, bool kBulk = false, bool kHold = false, bool kLean = kSplit,
-          bool kPause = false>
+          bool kAccInRegs, bool kBulk = false, bool kHold = false, bool kLean = kSplit>
 __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
                                   : !kAccInRegs ? kMaxRowThreads
                                                 : kAccRegsThreads, 1)
@@ -837,7 +833,6 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
   using R = typename M::R;
   constexpr bool kReread = bwd_scale_in_regs<VEC, NV, kWideDy>();
   static_assert(!kHold || (kSplit && kAccInRegs && kReread && !kBulk));
-  static_assert(!kPause || (kPlain && !kSplit && !kLean));
   __shared__ __align__(16) A smem[2 * 32 * 4];
   RowSumTurns<A, 4> row_sums{smem, a.tpr};
   // Slots for each warp of a split's blocks (ClusterSum::warps).
@@ -1087,12 +1082,10 @@ __global__ void __launch_bounds__(kHold ? kMaxSliceThreads
     using Mode = RowDots;
     if (has_stats) {
       first_pass(std::integral_constant<Mode, Mode::kSaved>{});
-      if constexpr (kPause) spin_cycles(kRowPauseCycles);
     } else if (a.centered) {
       first_pass(std::integral_constant<Mode, Mode::kOwnLn>{});
     } else {
       first_pass(std::integral_constant<Mode, Mode::kOwnRms>{});
-      if constexpr (kPause) spin_cycles(kRowPauseCycles);
     }
     if (!valid) continue;
     X* dxr = static_cast<X*>(a.dx) + base;
@@ -1341,29 +1334,14 @@ constexpr bool may_hold_acc_in_regs() {
   return VEC > 1 && sizeof(X) == 2 && M::scale(kAccRegsThreads, 2) > kTwoBlocksSmem;
 }
 
-// Whether bwd_regs is compiled with kPause for these types: where it was
-// measured, bf16 x and dy (pause_rms_rows).
-template <typename X, typename G, int VEC>
-constexpr bool may_pause_rows() {
-  return std::is_same_v<X, __nv_bfloat16> && std::is_same_v<G, X> && VEC == 8 &&
-         may_hold_acc_in_regs<X, G, VEC>();
-}
-
-// The register path's kernel: kPlain, kSplit, kAccInRegs, kBulk, kHold,
-// kLean and kPause as the launch needs (kBulk: 16-bit x and dy, plain, split,
+// The register path's kernel: kPlain, kSplit, kAccInRegs, kBulk, kHold and
+// kLean as the launch needs (kBulk: 16-bit x and dy, plain, split,
 // accumulators shared; kHold: split, accumulators in registers; kLean: one
-// block a row, accumulators in registers; kPause: plain, one block a row).
+// block a row, accumulators in registers).
 template <typename X, typename G, typename W, int VEC>
 void (*bwd_regs_kernel(bool plain, bool split, bool acc_in_regs, bool bulk = false,
-                       bool hold = false, bool lean = false, bool pause = false))(BwdArgs) {
+                       bool hold = false, bool lean = false))(BwdArgs) {
   constexpr int NV = kMaxBwdNv;
-  if constexpr (may_pause_rows<X, G, VEC>()) {
-    if (pause && plain && !split) {
-      return acc_in_regs ? &bwd_regs<X, G, W, VEC, NV, true, false, true, false, false, false, true>
-                         : &bwd_regs<X, G, W, VEC, NV, true, false, false, false, false, false,
-                                     true>;
-    }
-  }
   if constexpr (sizeof(X) == 2 && sizeof(G) == 2 && Ring<VEC, NV, 2>::kStaged) {
     if (bulk && plain && split && !acc_in_regs) {
       return &bwd_regs<X, G, W, VEC, NV, true, true, false, true>;
@@ -1517,38 +1495,6 @@ void lean_for_layer_norm(BwdLaunch<X, G, W, VEC>& l, bool centered, const Device
     return;
   }
   l.kernel = bwd_regs_kernel<X, G, W, VEC>(true, false, true, false, false, true);
-  const int per_sm = blocks_per_sm(l.kernel, l.plan.threads(), l.smem, dev);
-  l.grid = grid_size(l.plan.groups, int64_t(per_sm) * dev.sms);
-}
-
-// RMSNorm's rows of a warp at 4 vectors a lane (1024 bf16 elements), with
-// at least 16 rows a warp where DRAM is fast: each warp waits
-// kRowPauseCycles after a row's sums, before its dx (bwd_regs' kPause). On
-// an H200 (bf16, plain backward, 12 rows a block, benchmarks/NOTES.md v96),
-// us, without -> with: computing the statistics 65536x1024 118.6-118.7 ->
-// 101.1-101.5, 131072x1024 222.5-224.0 -> 194.3-195.1, 32768x1024 57.4 ->
-// 55.7-56.0; given them 65536x1024 114.9-115.1 -> 103.0-103.2, 131072x1024
-// 219.6-220.4 -> 197.4-198.1; 16384x1024 (10 rows a warp) was unchanged in
-// the trials. Without the pause, 1024 wide ran 15% under the rate of 768
-// wide in the same launch, and LayerNorm's rows, whose first pass is longer,
-// 7% faster than RMSNorm's; 300 and 700 cycles gained less, a __nanosleep
-// of 100-800 ns a third as much, a stagger of the warps once at the start
-// nothing; at 520-960 wide the same pause cost 2-15%. Those are launches
-// back to back; one at a time under Nsight Compute the pause cost 3-5%
-// (98-100 -> 101-105 us), so what it undoes comes from the launch before.
-// Why a warp's later dx makes the launch faster is not known (the Next list).
-template <typename X, typename G, typename W, int VEC>
-void pause_rms_rows(BwdLaunch<X, G, W, VEC>& l, int64_t hidden, bool centered,
-                    const DeviceInfo& dev) {
-  const auto in_regs = bwd_regs_kernel<X, G, W, VEC>(true, false, true);
-  const auto in_smem = bwd_regs_kernel<X, G, W, VEC>(true, false, false);
-  if (!may_pause_rows<X, G, VEC>() || centered || dram_is_slow(dev) ||
-      (l.kernel != in_regs && l.kernel != in_smem) || l.plan.nv != 4 || l.plan.tpr != 32 ||
-      hidden / VEC != 4 * 32 || l.plan.groups < 16 * int64_t(l.grid)) {
-    return;
-  }
-  l.kernel = bwd_regs_kernel<X, G, W, VEC>(true, false, l.kernel == in_regs, false, false, false,
-                                           true);
   const int per_sm = blocks_per_sm(l.kernel, l.plan.threads(), l.smem, dev);
   l.grid = grid_size(l.plan.groups, int64_t(per_sm) * dev.sms);
 }

@@ -137,7 +137,6 @@ ffi::Error launch_bwd_vec(cudaStream_t stream, const DeviceInfo& dev,
   }
   auto l = plan_bwd<X, G, W, VEC>(p, a.hidden, a.has_scale, regions, plain, dev);
   lean_for_layer_norm(l, a.centered, dev);
-  pause_rms_rows(l, a.hidden, a.centered, dev);
   JAXNORM_RETURN_IF_ERROR(scratch_for_partials(scratch, l.partial_bytes(a.hidden), a));
   return cuda_error(launch_bwd<X, G, W, VEC>(stream, l, a), "row_norm_bwd");
 }
