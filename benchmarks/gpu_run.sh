@@ -5,7 +5,9 @@
 #   OUT=/some/dir bash benchmarks/gpu_run.sh
 # STEPS picks what runs after the build (unset: tests plans bench; also
 # "examples", which runs examples/ on the machine's GPUs, "model", the
-# Llama-style model benchmark, "unet", the convolutional models' benchmark
+# Llama-style model benchmark (MODEL_ARGS go to bench_llama.py), "context",
+# norm_context.py's backward after a matmul and back to back (RMSNorm and
+# LayerNorm, 65536x1024 and 16384x4096), "unet", the convolutional models' benchmark
 # (GroupNorm, BatchNorm), "command_buffers", command_buffers.py (CB_ARGS
 # go to it), and "sanitize", the row-norm tests under
 # compute-sanitizer's SANITIZE_TOOLS, or SANITIZE_TESTS selected by pytest's
@@ -225,7 +227,15 @@ if step bench; then
 fi
 if step model; then
   echo "== model benchmark"
-  (cd benchmarks && python3 bench_llama.py --out "$OUT") 2>&1 | tee "$OUT/bench_llama.log" | tail -12
+  (cd benchmarks && python3 bench_llama.py --out "$OUT" ${MODEL_ARGS:-}) 2>&1 \
+    | tee "$OUT/bench_llama.log" | tail -12
+fi
+if step context; then
+  echo "== a norm's backward after a matmul and back to back"
+  for op in rms_norm layer_norm; do
+    (cd benchmarks && python3 norm_context.py --op $op --shape 65536x1024 --k 2816 &&
+      python3 norm_context.py --op $op --shape 16384x4096 --k 11008) 2>&1
+  done | tee "$OUT/norm_context.txt" | grep -v "^    "
 fi
 if step unet; then
   echo "== convolutional models benchmark"
