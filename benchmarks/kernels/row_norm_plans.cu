@@ -29,7 +29,8 @@
 // (b - 1) half-KB into allocations of their own. CTX=1 times each backward
 // again after a kernel that writes its dy (c: as a model's matmul writes the
 // gradient that the norm's backward reads next) and after one that reads
-// another tensor (r: L2 clean of the backward's data), each pair's time less
+// another tensor (r: L2 clean of the backward's data) or writes another
+// (w: L2 dirty with lines the backward never reads), each pair's time less
 // that kernel's alone; without CTX, launches follow each other. HOLD=1 times PARTS' splits
 // of at most 256 threads held (o16H). The warp-role backward
 // (row_norm_bwd_roles.cuh) is timed where it serves, as ro* (the plan there;
@@ -317,7 +318,12 @@ int main(int argc, char** argv) {
       read_only<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(h), n * 2 / 16,
                                         reinterpret_cast<uint4*>(partial));
     };
+    auto write_other = [&] {
+      copy_kernel<<<sms * 8, 256, 0, s>>>(reinterpret_cast<const uint4*>(dy0),
+                                          reinterpret_cast<uint4*>(h), n * 2 / 16);
+    };
     const float write_us = ctx ? time_us(s, write_dy) : 0, read_us = ctx ? time_us(s, read_other) : 0;
+    const float other_us = ctx ? time_us(s, write_other) : 0;
     // Times a backward launch, checks its output and prints a row (with CTX,
     // two more: c and r).
     auto time_bwd = [&](const char* name, int tpr, int rpb, int grid, size_t smem, auto launch) {
@@ -338,6 +344,7 @@ int main(int argc, char** argv) {
       if (!ctx) return;
       row("c", time_us(s, [&] { write_dy(); launch(); }) - write_us);
       row("r", time_us(s, [&] { read_other(); launch(); }) - read_us);
+      row("w", time_us(s, [&] { write_other(); launch(); }) - other_us);
     };
     // The grid of a split's launch of `kernel`: as many clusters as then fit.
     auto split_grid = [&](auto kernel, const RowPlan& q, size_t smem) {
