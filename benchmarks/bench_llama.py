@@ -51,9 +51,10 @@ import jaxnorm  # noqa: E402
 
 
 def llama_dims(hidden: int) -> dict:
-    """A Llama-style model of this width: heads of 128, ffn 8/3 of hidden up to 256."""
-    return dict(vocab=32000, hidden=hidden, heads=max(1, hidden // 128),
-                ffn=256 * -(-8 * hidden // (3 * 256)), max_len=2048)
+    """A Llama-style model of this width: heads of 128, and an ffn of 8/3 of
+    hidden rounded up to a multiple of 256."""
+    ffn = 256 * -(-8 * hidden // (3 * 256))  # ceil(8 * hidden / 768) * 256
+    return dict(vocab=32000, hidden=hidden, heads=max(1, hidden // 128), ffn=ffn, max_len=2048)
 
 
 WIDE = llama_dims(4096)  # ffn 11008, as Llama's
